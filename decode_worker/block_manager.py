@@ -1,0 +1,133 @@
+"""Paged KV block manager with ref counts and a local prefix cache keyed by the block-key hash chain.
+
+Free blocks sit in an LRU queue. A freed block keeps its key (and stays findable) until it is handed
+out again, so a later request with the same prefix can take it back: eviction is LRU over unreferenced
+blocks. Only full blocks get keys; the tail block of a request is private.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvferry.decode_worker.request import Request
+from kvferry.kvpool.keys import block_keys
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes, enable_caching: bool = True):
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.hits = 0  # prompt tokens served from the cache, over the engine's lifetime
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_keys(self, req: Request) -> None:
+        """Extend req.block_keys to cover every full block of its tokens."""
+        have = len(req.block_keys)
+        if req.num_tokens // self.block_size > have:
+            parent = req.block_keys[-1] if have else None
+            req.block_keys += block_keys(req.all_token_ids, self.block_size, self.fingerprint, parent, have)
+
+    def cached_prefix(self, req: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of req, leaving at least one token to compute."""
+        if not self.enable_caching:
+            return []
+        self.update_keys(req)
+        hit = []
+        for key in req.block_keys[: (req.num_tokens - 1) // self.block_size]:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give req blocks for num_new_tokens more tokens (after taking the `cached` prefix blocks).
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        total = self.blocks_needed(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+        new = total - len(req.block_ids) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if new + revived > self.num_free_blocks:
+            return False
+        for block_id in cached:
+            self._take(block_id)
+        req.block_ids += cached
+        for _ in range(max(new, 0)):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict_key(self.blocks[block_id])
+            self._take(block_id)
+            req.block_ids.append(block_id)
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Register req's blocks that are full of computed tokens in the prefix cache."""
+        if not self.enable_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full == 0:
+            return
+        self.update_keys(req)
+        for index in range(req.num_committed_blocks, full):
+            block = self.blocks[req.block_ids[index]]
+            if block.key is None and req.block_keys[index] not in self.cached:
+                block.key = req.block_keys[index]
+                self.cached[block.key] = block.block_id
+        req.num_committed_blocks = max(req.num_committed_blocks, full)
+
+    def free(self, req: Request) -> None:
+        """Drop req's references; tail blocks enter the LRU queue first so they are evicted first."""
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        req.block_ids = []
+        req.num_committed_blocks = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_queue.pop(block_id, None)
+        block.ref_count += 1
+
+    def _evict_key(self, block: Block) -> None:
+        if block.key is not None:
+            if self.cached.get(block.key) == block.block_id:
+                del self.cached[block.key]
+            block.key = None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if ref counts and the free queue disagree (used by tests)."""
+        for block in self.blocks:
+            if (block.ref_count == 0) != (block.block_id in self.free_queue):
+                raise AssertionError(
+                    f"block {block.block_id}: ref {block.ref_count} vs free-queue membership"
+                )
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id} has ref {block.ref_count}")
+        for key, block_id in self.cached.items():
+            if self.blocks[block_id].key != key:
+                raise AssertionError(f"cache entry for block {block_id} does not match its key")

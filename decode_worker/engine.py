@@ -1,0 +1,189 @@
+"""The in-process engine: continuous batching over one model.
+
+How a request moves: `add_request` validates and tokenizes it into the scheduler's waiting queue. Each
+`step()` is `schedule() -> run(batch) -> update(batch, output)`: the scheduler picks this step's tokens
+(decodes, prefill chunks, newly admitted prompts), the model runner computes them in one ragged forward
+pass and samples, and the update appends tokens, applies stop rules and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from kvferry.decode_worker.block_manager import BlockManager
+from kvferry.decode_worker.model_runner import ModelRunner, kv_block_bytes
+from kvferry.decode_worker.output import Completion, OutputState, RequestOutput
+from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.kvpool.keys import model_fingerprint
+from kvferry.model.config import ModelConfig, ModelConfigError, resolve_dtype
+from kvferry.model.create import resolve_model
+from kvferry.model.loader import load_model
+from kvferry.model.tokenizer import Tokenizer
+from kvferry.settings import load_settings
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        settings = load_settings()
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        self.model_dir = resolve_model(cfg.model, settings.models_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        model_cfg = ModelConfig.from_dir(self.model_dir)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        self.max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
+        self.eos_ids = model_cfg.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        num_blocks = cfg.num_kv_blocks or int(
+            cfg.kv_cache_memory_gib * 2**30 // kv_block_bytes(self.model, cfg.block_size, self.dtype)
+        )
+        if num_blocks * cfg.block_size < self.max_model_len:
+            raise ModelConfigError(
+                f"the KV cache holds {num_blocks * cfg.block_size} tokens, fewer than max_model_len "
+                f"{self.max_model_len}: raise --kv-cache-memory-gib or --num-kv-blocks, "
+                "or lower --max-model-len"
+            )
+        fingerprint = model_fingerprint(str(self.model_dir.resolve()), str(self.dtype))
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, fingerprint, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.block_manager
+        )
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.states: dict[str, OutputState] = {}
+        self._ids = itertools.count()
+        self._aborted: list[OutputState] = []
+        self.num_steps = 0
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if prompt_token_ids is None:
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids must not be empty")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt_token_ids must lie in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.states:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, ids, params)
+        self.states[request_id] = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its stream ends with finish_reason 'abort'. False if it is unknown."""
+        state = self.states.get(request_id)
+        if state is None or state.req.is_finished:
+            return False
+        self.scheduler.finish(state.req, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(state)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish_output(s) for s in self._aborted]
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if batch.work:
+            sampled = self.runner.run(batch)
+            outputs += self._update(batch, sampled)
+            self.num_steps += 1
+        return outputs
+
+    def _update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
+        outputs = []
+        for req in self.scheduler.update(batch):
+            state = self.states[req.request_id]
+            finished = state.add_token(sampled[req])
+            if finished is not None:
+                self.scheduler.finish(req, finished)
+                outputs.append(self._finish_output(state))
+            else:
+                outputs.append(state.emit())
+        return outputs
+
+    def _finish_output(self, state: OutputState) -> RequestOutput:
+        del self.states[state.req.request_id]
+        return state.emit()
+
+    def stream(
+        self, prompt: str | None = None, params: SamplingParams | None = None, **kwargs
+    ) -> Iterator[RequestOutput]:
+        """Add one request and yield its increments (other requests in the engine advance too)."""
+        return self.outputs_of(self.add_request(prompt, params, **kwargs))
+
+    def outputs_of(self, request_id: str) -> Iterator[RequestOutput]:
+        """Step the engine until `request_id` finishes, yielding its increments."""
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+    def generate(
+        self, requests: Sequence[dict], params: SamplingParams | None = None, use_tqdm: bool = False
+    ) -> list[Completion]:
+        """Run many requests at once; each dict holds `prompt` or `prompt_token_ids` (+ optional `params`)."""
+        states = []
+        for item in requests:
+            rid = self.add_request(
+                item.get("prompt"), item.get("params", params), prompt_token_ids=item.get("prompt_token_ids")
+            )
+            states.append(self.states[rid])
+        bar = tqdm(total=len(states), desc="requests", unit="req", disable=not use_tqdm)
+        start, generated = time.perf_counter(), 0
+        while self.has_unfinished():
+            for out in self.step():
+                generated += len(out.new_token_ids)
+                if out.finished:
+                    bar.update(1)
+            bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.0f}", refresh=False)
+        bar.close()
+        return [s.completion() for s in states]

@@ -1,0 +1,73 @@
+"""Turns a scheduled batch into one ragged forward pass over the paged KV cache, then samples."""
+
+from __future__ import annotations
+
+import torch
+
+from kvferry.decode_worker.request import Request
+from kvferry.decode_worker.scheduler import ScheduledBatch
+from kvferry.model.attention import AttentionMetadata, PrefillChunk
+from kvferry.model.qwen3_moe import Qwen3MoeModel
+from kvferry.model.sampler import sample
+
+
+def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.cfg
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3MoeModel, num_blocks: int, block_size: int, device: torch.device):
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        dtype = model.embed.dtype
+        # [num_blocks, L, 2 (K/V), block_size, Hkv, D]: one block holds every layer's KV contiguously
+        self.kv_cache = torch.zeros(
+            num_blocks,
+            cfg.num_layers,
+            2,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def run(self, batch: ScheduledBatch) -> dict[Request, int]:
+        """Compute every scheduled token; sample for the requests whose last token was computed."""
+        work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
+        ids, positions, slot_blocks, slot_offsets = [], [], [], []
+        decode_tables, decode_lens, prefills, sample_rows, sampled_reqs = [], [], [], [], []
+        bs = self.block_size
+        for req, n in work:
+            start = req.num_computed_tokens
+            row = len(ids)
+            ids += req.all_token_ids[start : start + n]
+            positions += range(start, start + n)
+            slot_blocks += [req.block_ids[p // bs] for p in range(start, start + n)]
+            slot_offsets += [p % bs for p in range(start, start + n)]
+            if n == 1:
+                decode_tables.append(req.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                table = torch.tensor(req.block_ids, dtype=torch.long, device=self.device)
+                prefills.append(PrefillChunk(row, n, start + n, table))
+            if start + n == req.num_tokens:
+                sample_rows.append(row + n - 1)
+                sampled_reqs.append(req)
+        meta = AttentionMetadata.build(
+            slot_blocks, slot_offsets, decode_tables, decode_lens, prefills, bs, self.device
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache,
+            meta,
+        )
+        if not sampled_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = sample(logits, [r.params.spec for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        return dict(zip(sampled_reqs, tokens, strict=True))

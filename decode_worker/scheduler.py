@@ -1,0 +1,113 @@
+"""Continuous-batching scheduler: a token budget per step, chunked prefill, preemption by recompute.
+
+Each step, running requests go first (a decode needs one token, an unfinished prefill its next chunk),
+then waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and free KV
+blocks allow. When blocks run out, the most recently admitted running request is preempted: its blocks
+are freed and it rejoins the front of the waiting queue to be recomputed (prefix-cache hits make that
+cheap). Queues a request passes through: waiting -> running -> (preempted -> waiting ->) finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvferry.decode_worker.block_manager import BlockManager
+from kvferry.decode_worker.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class ScheduledBatch:
+    work: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens computed this step)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.work)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager):
+        self.cfg = cfg
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, n):
+                victim = self.running.pop()  # never one already scheduled: those sit before `index`
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    return budget
+            batch.work.append((req, n))
+            budget -= n
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.blocks.cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.blocks.allocate(req, n, cached):
+                return
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+                self.blocks.hits += num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.work.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def update(self, batch: ScheduledBatch) -> list[Request]:
+        """Advance computed-token counters; returns the requests that reached their last token."""
+        done = []
+        for req, n in batch.work:
+            req.num_computed_tokens += n
+            self.blocks.commit(req)
+            if req.num_computed_tokens == req.num_tokens:
+                done.append(req)
+        return done
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove req from whichever queue holds it and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+        req.status = status

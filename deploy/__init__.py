@@ -1,0 +1,1 @@
+"""Launching: local processes, Ray actors, cluster config (built in a later issue)."""

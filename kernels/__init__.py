@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU path, each beside its torch reference (built in a later issue)."""

@@ -1,0 +1,1 @@
+"""Mooncake-style distributed KV pool: block keys, pool nodes, metadata, transfer."""

@@ -1,0 +1,126 @@
+"""Qwen3-MoE model configuration, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config.json is missing a field or asks for something kvferry does not support."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    name: str = "model"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict, name: str = "model") -> ModelConfig:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("attention_bias", False):
+            raise ModelConfigError("attention_bias=true is not supported by Qwen3-MoE in kvferry")
+        try:
+            heads = raw["num_attention_heads"]
+            num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
+            eos = raw.get("eos_token_id")
+            return cls(
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                num_layers=raw["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=raw.get("num_key_value_heads", heads),
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                intermediate_size=raw["intermediate_size"],
+                num_experts=num_experts,
+                num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+                moe_intermediate_size=raw.get("moe_intermediate_size", raw["intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
+                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+                rope_theta=_rope_theta(raw),
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                max_position_embeddings=raw.get("max_position_embeddings", 32768),
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                name=name,
+            )
+        except KeyError as missing:
+            raise ModelConfigError(f"config.json has no {missing.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} does not exist")
+        return cls.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ModelConfigError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` picks the checkpoint's dtype, except on CPUs that emulate bf16, where float32 is faster."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ModelConfigError(f"--dtype {requested!r} is not one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[requested]
+    native = _DTYPES.get(config.torch_dtype, torch.bfloat16)
+    if device.type == "cpu" and native != torch.float32 and not cpu_has_native_bf16():
+        return torch.float32
+    return native

@@ -1,0 +1,194 @@
+"""Deterministic default models: seeded weights in HF Qwen3-MoE layout and a locally trained BPE tokenizer.
+
+`create_model("tiny", out)` writes config.json, generation_config.json, tokenizer.json,
+tokenizer_config.json and safetensors. The same spec, seed and Python standard library give the same
+bytes. Like vLLM's `--load-format dummy`, this stands in for hub downloads, which do not exist here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvferry.model.config import ModelConfig, ModelConfigError
+
+SPECS = ("tiny", "bench")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CORPUS_BYTES = 3_000_000
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_spec(name: str) -> dict:
+    if name not in SPECS:
+        raise ModelConfigError(f"unknown built-in model {name!r}; choose one of {', '.join(SPECS)}")
+    raw = json.loads(resources.files("kvferry.model").joinpath("specs", f"{name}.json").read_text())
+    return {k: v for k, v in raw.items() if not k.startswith("_")}
+
+
+def resolve_model(model: str, models_dir: Path) -> Path:
+    """Checkpoint directory for `model`: a path with config.json or a built-in name (made on first use)."""
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if model in SPECS:
+        target = models_dir / model
+        if not (target / "config.json").is_file():
+            create_model(model, target)
+        return target
+    raise ModelConfigError(
+        f"--model {model!r} is neither a checkpoint directory nor one of {', '.join(SPECS)}"
+    )
+
+
+def create_model(name: str, out: Path, seed: int = 0, max_shard_bytes: int = 2**31) -> Path:
+    """Write the built-in model `name` to `out` atomically (a temp dir renamed into place)."""
+    return create_from_spec(load_spec(name), out, seed=seed, max_shard_bytes=max_shard_bytes)
+
+
+def create_from_spec(spec: dict, out: Path, seed: int = 0, max_shard_bytes: int = 2**31) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer(spec["vocab_size"])
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        config = dict(spec, eos_token_id=tokenizer.token_to_id(SPECIAL_TOKENS[0]), bos_token_id=None)
+        config.setdefault("hidden_act", "silu")
+        config.setdefault("attention_bias", False)
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
+        _write_json(
+            tmp / "tokenizer_config.json",
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": SPECIAL_TOKENS[0],
+                "pad_token": SPECIAL_TOKENS[0],
+                "model_max_length": spec.get("max_position_embeddings", 4096),
+            },
+        )
+        dtype = getattr(torch, spec.get("torch_dtype", "bfloat16"))
+        tensors = random_weights(ModelConfig.from_dict(config), seed, dtype)
+        save_sharded(tensors, tmp, max_shard_bytes)
+        if out.exists():  # someone else finished first; theirs is byte-identical
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Seeded tensors named as in HF Qwen3-MoE; each tensor has its own seed derived from its name."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[tuple[int, ...], float]] = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), 1.0),
+        "model.norm.weight": ((h,), 0.0),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = ((cfg.vocab_size, h), 4.0 / h**0.5)  # peaked logits, few near-ties
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": ((h,), 0.0),
+            p + "post_attention_layernorm.weight": ((h,), 0.0),
+            p + "self_attn.q_proj.weight": ((cfg.q_size, h), 0.02),
+            p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
+            p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
+            p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
+            p + "self_attn.q_norm.weight": ((d,), 0.0),
+            p + "self_attn.k_norm.weight": ((d,), 0.0),
+        }
+        if cfg.is_moe_layer(i):
+            inter = cfg.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = ((cfg.num_experts, h), 1.0 / h**0.5)
+            for e in range(cfg.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes |= {
+                    q + "gate_proj.weight": ((inter, h), 0.02),
+                    q + "up_proj.weight": ((inter, h), 0.02),
+                    q + "down_proj.weight": ((h, inter), 0.02),
+                }
+        else:
+            inter = cfg.intermediate_size
+            shapes |= {
+                p + "mlp.gate_proj.weight": ((inter, h), 0.02),
+                p + "mlp.up_proj.weight": ((inter, h), 0.02),
+                p + "mlp.down_proj.weight": ((h, inter), 0.02),
+            }
+    return {name: _seeded(name, shape, std, seed).to(dtype) for name, (shape, std) in shapes.items()}
+
+
+def _seeded(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    if std == 0.0:  # norm weights start at one, as in HF
+        return torch.ones(shape)
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.randn(shape, generator=gen) * std
+
+
+def save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name].contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, fname)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def train_tokenizer(vocab_size: int):
+    """Byte-level BPE trained on the Python standard library sources (sorted, first CORPUS_BYTES bytes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _corpus():
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    budget = CORPUS_BYTES
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        yield from text.splitlines(keepends=True)
+        budget -= len(text)
+        if budget <= 0:
+            return
+    if budget == CORPUS_BYTES:
+        print("warning: no Python standard library sources found for the tokenizer corpus", file=sys.stderr)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

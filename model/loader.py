@@ -1,0 +1,114 @@
+"""Load a Hugging Face Qwen3-MoE checkpoint directory (single-file or sharded safetensors)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvferry.model.config import ModelConfig, ModelConfigError
+from kvferry.model.qwen3_moe import Qwen3MoeModel
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointReader:
+    """Reads tensors by HF name from `model.safetensors` or the shards named in its index."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / INDEX_FILE
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (model_dir / "model.safetensors").is_file():
+            with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise ModelConfigError(f"{model_dir} has neither model.safetensors nor {INDEX_FILE}")
+        self.weight_map = weight_map
+        self._files = {name: safe_open(model_dir / name, framework="pt") for name in set(weight_map.values())}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ModelConfigError(f"checkpoint has no tensor {name!r}")
+        return self._files[self.weight_map[name]].get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> Qwen3MoeModel:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    reader = CheckpointReader(model_dir)
+    model = Qwen3MoeModel(cfg, max_positions)  # parameters are torch.empty: nothing is initialised twice
+    params = dict(model.named_parameters())
+    for name, build in _weight_plan(cfg, reader).items():
+        target = params.pop(name)
+        tensor = build()
+        if tensor.shape != target.shape:
+            raise ModelConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        target.data.copy_(tensor.to(dtype))
+    if params:
+        raise ModelConfigError(f"no checkpoint tensors for {sorted(params)[:4]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[], torch.Tensor]]:
+    """Our parameter name -> how to build it from HF tensors (fusing q/k/v, gate/up and experts)."""
+    plan: dict[str, Callable[[], torch.Tensor]] = {
+        "embed": lambda: r.get("model.embed_tokens.weight"),
+        "norm.weight": lambda: r.get("model.norm.weight"),
+        "lm_head": lambda: r.get(
+            "model.embed_tokens.weight"
+            if cfg.tie_word_embeddings or "lm_head.weight" not in r
+            else "lm_head.weight"
+        ),
+    }
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        plan[ours + "input_norm.weight"] = lambda p=hf: r.get(p + "input_layernorm.weight")
+        plan[ours + "post_attn_norm.weight"] = lambda p=hf: r.get(p + "post_attention_layernorm.weight")
+        plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
+        plan[ours + "attn.o"] = lambda p=attn: r.get(p + "o_proj.weight")
+        plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
+        plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
+        mlp = hf + "mlp."
+        if cfg.is_moe_layer(i):
+            plan[ours + "mlp.router"] = lambda p=mlp: r.get(p + "gate.weight")
+            plan[ours + "mlp.w13"] = lambda p=mlp: _experts_w13(r, p, cfg.num_experts)
+            plan[ours + "mlp.w2"] = lambda p=mlp: _experts_w2(r, p, cfg.num_experts)
+        else:
+            plan[ours + "mlp.w13"] = lambda p=mlp: torch.cat(
+                [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
+            )
+            plan[ours + "mlp.w2"] = lambda p=mlp: r.get(p + "down_proj.weight")
+    return plan
+
+
+def _experts_w13(r: CheckpointReader, prefix: str, num_experts: int) -> torch.Tensor:
+    """[E, 2I, H] from per-expert gate/up (original HF layout) or a fused `experts.gate_up_proj`."""
+    if prefix + "experts.gate_up_proj" in r:
+        return r.get(prefix + "experts.gate_up_proj")
+    return torch.stack(
+        [
+            torch.cat(
+                [r.get(f"{prefix}experts.{e}.gate_proj.weight"), r.get(f"{prefix}experts.{e}.up_proj.weight")]
+            )
+            for e in range(num_experts)
+        ]
+    )
+
+
+def _experts_w2(r: CheckpointReader, prefix: str, num_experts: int) -> torch.Tensor:
+    if prefix + "experts.down_proj" in r:
+        return r.get(prefix + "experts.down_proj")
+    return torch.stack([r.get(f"{prefix}experts.{e}.down_proj.weight") for e in range(num_experts)])

@@ -1,0 +1,81 @@
+"""Mixture-of-experts block (softmax router, top-k, optional renormalisation) and the dense MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2 * intermediate, hidden), requires_grad=False)  # [gate; up]
+        self.w2 = nn.Parameter(torch.empty(hidden, intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.w13)), self.w2)
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k])."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def experts_forward(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Apply the experts in w13/w2 (global ids first_expert..first_expert+E_local-1) to their tokens.
+
+    x: [T, H]; ids, weights: [T, k]; w13: [E_local, 2I, H]; w2: [E_local, H, I]. Assignments to experts
+    outside the local range are skipped. Returns [T, H], the weighted sum over the local experts.
+    """
+    out = torch.zeros_like(x)
+    num_local, top_k = w13.shape[0], ids.shape[1]
+    flat = ids.flatten() - first_expert
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat.clamp(-1, num_local).add(1), minlength=num_local + 2)[1:-1].tolist()
+    start = int((flat < 0).sum())  # skip assignments to lower-numbered remote experts
+    rows, outputs = [], []
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        sel = order[start : start + count]
+        start += count
+        token = sel // top_k
+        h = F.linear(silu_and_mul(F.linear(x[token], w13[expert])), w2[expert])
+        outputs.append(h * weights.flatten()[sel, None])
+        rows.append(token)
+    if outputs:
+        out.index_add_(0, torch.cat(rows), torch.cat(outputs))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.router = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.router, self.top_k, self.renormalize)
+        return experts_forward(x, ids, weights, self.w13, self.w2)

@@ -1,0 +1,98 @@
+"""Qwen3-MoE decoder over a paged KV cache (the HF `Qwen3MoeForCausalLM` network, inference only)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvferry.model.config import ModelConfig
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from kvferry.model.moe import DenseMLP, SparseMoeBlock
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Parameter(
+            torch.empty(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), requires_grad=False
+        )
+        self.o = nn.Parameter(torch.empty(cfg.hidden_size, cfg.q_size), requires_grad=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), *rope)  # [T, Hq, D]
+        k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        write_kv(kv[0], kv[1], k, v, meta)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return F.linear(out.reshape(t, -1), self.o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer):
+            self.mlp: nn.Module = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+            )
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, kv, meta) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), rope, kv, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [num_blocks, L, 2, block_size, Hkv, D]. Returns [T, H]."""
+        x = F.embedding(input_ids, self.embed)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            layer_cache = kv_cache[:, i]
+            x = layer(x, rope, (layer_cache[:, 0], layer_cache[:, 1]), meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> float32 logits [N, V]."""
+        return F.linear(hidden, self.lm_head).float()
