@@ -23,17 +23,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         dtype = model.embed.dtype
-        # [num_blocks, L, 2 (K/V), block_size, Hkv, D]: one block holds every layer's KV contiguously
-        self.kv_cache = torch.zeros(
-            num_blocks,
-            cfg.num_layers,
-            2,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        # [L, 2 (K/V), Hkv, num_blocks, block_size, D]: head-major for batched attention reads
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def run(self, batch: ScheduledBatch) -> dict[Request, int]:
         """Compute every scheduled token; sample for the requests whose last token was computed."""
@@ -58,7 +50,7 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sampled_reqs.append(req)
         meta = AttentionMetadata.build(
-            slot_blocks, slot_offsets, decode_tables, decode_lens, prefills, bs, self.device
+            slot_blocks, slot_offsets, decode_tables, decode_lens, prefills, self.kv_cache[0, 0]
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -4,7 +4,8 @@ One forward pass carries any mix of single-token decodes and chunked-prefill pie
 out decodes first (one token each), then prefill chunks back to back. Every token's K/V is written to
 its slot (block id, offset in block) before attention reads the cache.
 
-Cache layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout (per layer, for K and for V alike): [num_kv_heads, num_blocks, block_size, head_dim].
+Head-major means gathering a batch's blocks yields [Hkv, B, S, D], which batched matmuls read as is.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of every token
     slot_offsets: torch.Tensor  # [T] offset within the block
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] True = attend
+    decode_rows: torch.Tensor | None = None  # [Hkv * Bd * max_blocks] cache rows (head, block) to gather
+    decode_bias: torch.Tensor | None = None  # [1, Bd, 1, max_blocks * block_size] 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
@@ -40,9 +41,10 @@ class AttentionMetadata:
         decode_tables: list[list[int]],
         decode_context_lens: list[int],
         prefills: list[PrefillChunk],
-        block_size: int,
-        device: torch.device,
+        layer_cache: torch.Tensor,
     ) -> AttentionMetadata:
+        """layer_cache: one layer's K cache, [Hkv, num_blocks, block_size, D] (gives layout and device)."""
+        device = layer_cache.device
         meta = cls(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
@@ -51,20 +53,22 @@ class AttentionMetadata:
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            flat = [b for t in decode_tables for b in t + [0] * (width - len(t))]
+            meta.decode_rows = block_rows(layer_cache, torch.tensor(flat, dtype=torch.long, device=device))
+            block_size = layer_cache.shape[2]
             lens = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
             span = torch.arange(width * block_size, device=device)
-            meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+            bias = torch.zeros(len(decode_tables), width * block_size, dtype=layer_cache.dtype, device=device)
+            meta.decode_bias = bias.masked_fill_(span[None, :] >= lens[:, None], float("-inf"))[None, :, None]
         return meta
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """k, v: [T, Hkv, D] written into their slots."""
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    """k, v: [T, Hkv, D] written into their slots of the [Hkv, num_blocks, block_size, D] caches."""
+    k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
+    v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
 
 
 def paged_attention(
@@ -87,19 +91,35 @@ def paged_attention(
     return out
 
 
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Copy (head, block) rows of a [Hkv, num_blocks, bs, D] cache: -> [len(rows) * bs, D].
+
+    index_select over dim 0 of the flattened cache is one memcpy per row, 4x faster than over dim 1.
+    """
+    hkv, num_blocks, bs, d = cache.shape
+    return cache.view(hkv * num_blocks, bs * d).index_select(0, rows).view(-1, d)
+
+
+def block_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Row ids of `blocks` for every head, head-major: [Hkv * len(blocks)]."""
+    hkv, num_blocks = cache.shape[:2]
+    return (torch.arange(hkv, device=blocks.device)[:, None] * num_blocks + blocks[None, :]).flatten()
+
+
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     bd, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    tables = meta.decode_block_tables
-    # [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, S, D]
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    # the G query heads sharing a KV head act as G query positions: [Bd, Hkv, G, D]
-    grouped = q.view(bd, hkv, hq // hkv, d)
-    attn = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
-    return attn.reshape(bd, hq, d)
+    hkv = k_cache.shape[0]
+    group = hq // hkv
+    keys = gather_rows(k_cache, meta.decode_rows).view(hkv * bd, -1, d)  # [Hkv*Bd, S, D]
+    values = gather_rows(v_cache, meta.decode_rows).view(hkv * bd, -1, d)
+    # the G query heads that share a KV head act as G query rows: [Hkv*Bd, G, D]
+    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale).view(hkv, bd, group, -1)
+    probs = (scores + meta.decode_bias).softmax(-1).view(hkv * bd, group, -1)
+    out = torch.bmm(probs, values)  # [Hkv*Bd, G, D]
+    return out.view(hkv, bd, group, d).transpose(0, 1).reshape(bd, hq, d)
 
 
 def _prefill_attention(
@@ -113,18 +133,21 @@ def _prefill_attention(
 ) -> torch.Tensor:
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
     if chunk.context_len == chunk.q_len:  # nothing cached before this chunk: plain causal attention
-        keys, values, mask, causal = k, v, None, True
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        mask, causal = None, True
     else:
-        keys = k_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len]  # [S, Hkv, D]
-        values = v_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len]
+        rows = block_rows(k_cache, chunk.block_table)
+        hkv, d = k_cache.shape[0], k_cache.shape[-1]
+        keys = gather_rows(k_cache, rows).view(hkv, -1, d)[:, : chunk.context_len]  # [Hkv, S, D]
+        values = gather_rows(v_cache, rows).view(hkv, -1, d)[:, : chunk.context_len]
         first = chunk.context_len - chunk.q_len
         q_pos = torch.arange(first, chunk.context_len, device=q.device)
         mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= q_pos[:, None]
         causal = False
     attn = F.scaled_dot_product_attention(
         qt,
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
         attn_mask=mask,
         is_causal=causal,
         scale=scale,

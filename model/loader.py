@@ -13,6 +13,8 @@ from kvferry.model.config import ModelConfig, ModelConfigError
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 
 INDEX_FILE = "model.safetensors.index.json"
+# parameters stored [in, out]: the transpose of HF's [out, in] nn.Linear weights
+_INPUT_MAJOR = {"qkv", "o", "w13", "w2", "router", "lm_head"}
 
 
 class CheckpointReader:
@@ -50,9 +52,12 @@ def load_model(
     reader = CheckpointReader(model_dir)
     model = Qwen3MoeModel(cfg, max_positions)  # parameters are torch.empty: nothing is initialised twice
     params = dict(model.named_parameters())
+    transposed = {n for n in params if n.split(".")[-1] in _INPUT_MAJOR}
     for name, build in _weight_plan(cfg, reader).items():
         target = params.pop(name)
         tensor = build()
+        if name in transposed:
+            tensor = tensor.mT
         if tensor.shape != target.shape:
             raise ModelConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.data.copy_(tensor.to(dtype))

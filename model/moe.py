@@ -1,4 +1,8 @@
-"""Mixture-of-experts block (softmax router, top-k, optional renormalisation) and the dense MLP."""
+"""Mixture-of-experts block (softmax router, top-k, optional renormalisation) and the dense MLP.
+
+Weights are stored input-major ([in, out], the transpose of HF's nn.Linear layout): `x @ w` with a
+contiguous [in, out] matrix is up to 5x faster than `F.linear` for the small row counts of decode.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +19,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(2 * intermediate, hidden), requires_grad=False)  # [gate; up]
-        self.w2 = nn.Parameter(torch.empty(hidden, intermediate), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(hidden, 2 * intermediate), requires_grad=False)  # [gate | up]
+        self.w2 = nn.Parameter(torch.empty(intermediate, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.w13)), self.w2)
+        return silu_and_mul(x @ self.w13) @ self.w2
 
 
 def route(
     x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k])."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    """x: [T, H], router: [H, E] -> (weights [T, k] in x.dtype, expert ids [T, k])."""
+    probs = torch.softmax(x @ router, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -43,7 +47,7 @@ def experts_forward(
 ) -> torch.Tensor:
     """Apply the experts in w13/w2 (global ids first_expert..first_expert+E_local-1) to their tokens.
 
-    x: [T, H]; ids, weights: [T, k]; w13: [E_local, 2I, H]; w2: [E_local, H, I]. Assignments to experts
+    x: [T, H]; ids, weights: [T, k]; w13: [E_local, H, 2I]; w2: [E_local, I, H]. Assignments to experts
     outside the local range are skipped. Returns [T, H], the weighted sum over the local experts.
     """
     out = torch.zeros_like(x)
@@ -59,7 +63,7 @@ def experts_forward(
         sel = order[start : start + count]
         start += count
         token = sel // top_k
-        h = F.linear(silu_and_mul(F.linear(x[token], w13[expert])), w2[expert])
+        h = silu_and_mul(x[token] @ w13[expert]) @ w2[expert]
         outputs.append(h * weights.flatten()[sel, None])
         rows.append(token)
     if outputs:
@@ -70,9 +74,9 @@ def experts_forward(
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
         super().__init__()
-        self.router = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
 

@@ -16,10 +16,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # weights are [in, out] (see moe.py)
         self.qkv = nn.Parameter(
-            torch.empty(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), requires_grad=False
+            torch.empty(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), requires_grad=False
         )
-        self.o = nn.Parameter(torch.empty(cfg.hidden_size, cfg.q_size), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(cfg.q_size, cfg.hidden_size), requires_grad=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
@@ -33,13 +34,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = (x @ self.qkv).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), *rope)  # [T, Hq, D]
         k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(kv[0], kv[1], k, v, meta)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return F.linear(out.reshape(t, -1), self.o)
+        return out.reshape(t, -1) @ self.o
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +72,7 @@ class Qwen3MoeModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size), requires_grad=False)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
         )
@@ -84,15 +85,14 @@ class Qwen3MoeModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_blocks, L, 2, block_size, Hkv, D]. Returns [T, H]."""
+        """input_ids, positions: [T]; kv_cache: [L, 2, Hkv, num_blocks, block_size, D]. Returns [T, H]."""
         x = F.embedding(input_ids, self.embed)
         rope = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            layer_cache = kv_cache[:, i]
-            x = layer(x, rope, (layer_cache[:, 0], layer_cache[:, 1]), meta)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, rope, (k_cache, v_cache), meta)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits [N, V]."""
-        return F.linear(hidden, self.lm_head).float()
+        return (hidden @ self.lm_head).float()

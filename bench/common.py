@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmarks: the bench model, memcpy bandwidth, a JSON result line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry.model.config import ModelConfig
+from kvferry.model.create import resolve_model
+from kvferry.settings import load_settings
+
+
+def bench_model_dir(model: str = "bench") -> Path:
+    return resolve_model(model, load_settings().models_dir)
+
+
+def memcpy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best-of-N copy bandwidth, counting bytes read + written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best / 1e9
+
+
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> int:
+    """Bytes of weights one decode step at `batch` touches: every dense weight, the experts hit, lm_head.
+
+    A batch of B tokens hits on average E * (1 - (1 - k/E)^B) experts per MoE layer.
+    """
+    h = cfg.hidden_size
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    total = cfg.vocab_size * h  # lm_head
+    for layer in range(cfg.num_layers):
+        total += attn
+        if cfg.is_moe_layer(layer):
+            e, k = cfg.num_experts, cfg.num_experts_per_tok
+            hit = e * (1 - (1 - k / e) ** batch)
+            total += e * h + hit * 3 * h * cfg.moe_intermediate_size
+        else:
+            total += 3 * h * cfg.intermediate_size
+    return int(total * itemsize)
+
+
+def print_result(result: dict, out: Path | None = None) -> None:
+    line = json.dumps(result, sort_keys=False)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(line + "\n")
+    print(line, flush=True)

@@ -1,0 +1,58 @@
+"""Shared fixtures: built-in models are created once per test session into a temporary cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvferry.model.create import create_from_spec, create_model
+
+SECOND_SPEC = {
+    # a different shape from tiny: 3 layers, 6 experts top-3 without renormalisation, a dense layer,
+    # tied embeddings, rope given as rope_parameters; written as sharded safetensors
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 160,
+    "num_experts": 6,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvferry_cache(tmp_path_factory, monkeypatch_session) -> Path:
+    cache = tmp_path_factory.mktemp("kvferry-cache")
+    monkeypatch_session.setenv("KVFERRY_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(kvferry_cache) -> Path:
+    return create_model("tiny", kvferry_cache / "models" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def second_model_dir(kvferry_cache) -> Path:
+    out = kvferry_cache / "models" / "second"
+    return create_from_spec(SECOND_SPEC, out, seed=7, max_shard_bytes=1_000_000)

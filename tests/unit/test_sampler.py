@@ -1,0 +1,139 @@
+"""kvferry.model.sampler: greedy, temperature -> top-k -> top-p masks, seeded sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvferry.model.sampler import SamplingSpec, apply_top_k_top_p, sample
+
+LOGITS = [1.0, 2.0, 0.5, -1.0, 1.5, 0.0]
+
+
+def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """softmax(logits / T), restricted to the top-k, then to the top-p prefix, renormalised each time."""
+    exps = [math.exp(x / temperature) for x in logits]
+    probs = [e / sum(exps) for e in exps]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    keep = order[:top_k] if top_k > 0 else order
+    mass = sum(probs[i] for i in keep)
+    kept, before = [], 0.0
+    for i in keep:
+        if before >= top_p:
+            break
+        kept.append(i)
+        before += probs[i] / mass
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+def frequencies(samples: list[int], vocab: int) -> list[float]:
+    return [samples.count(i) / len(samples) for i in range(vocab)]
+
+
+def kept(masked: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(masked).nonzero().flatten().tolist())
+
+
+def test_greedy_picks_argmax_per_row_and_ignores_generators():
+    logits = torch.tensor([[0.1, 3.0, -2.0, 2.9], [5.0, 0.0, 4.9, 1.0], [-3.0, -2.0, -1.0, -1.5]])
+    specs = [SamplingSpec(temperature=0.0, top_k=2, top_p=0.5)] * 3
+    assert sample(logits, specs, [None, torch.Generator().manual_seed(1), None]) == [1, 0, 2]
+
+
+def test_mixed_batch_greedy_and_sampled_rows():
+    logits = torch.tensor([[0.0, 9.0, 1.0], [0.0, 0.0, 50.0]])
+    specs = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=1.0)]
+    assert sample(logits, specs, [None, torch.Generator().manual_seed(0)]) == [1, 2]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k_keeps_exactly_the_k_largest(k):
+    logits = torch.tensor([0.3, -1.2, 2.5, 0.9, 1.7, -0.4, 3.1, 0.0])
+    masked = apply_top_k_top_p(logits, top_k=k, top_p=1.0)
+    expected = set(torch.topk(logits, k).indices.tolist())
+    assert kept(masked) == expected
+    assert torch.equal(masked[list(expected)], logits[list(expected)])  # survivors are untouched
+    assert torch.isneginf(masked[[i for i in range(8) if i not in expected]]).all()
+
+
+@pytest.mark.parametrize("k", [0, 8, 20])
+def test_top_k_disabled_or_not_smaller_than_vocab_keeps_everything(k):
+    logits = torch.tensor([0.3, -1.2, 2.5, 0.9, 1.7, -0.4, 3.1, 0.0])
+    assert torch.equal(apply_top_k_top_p(logits, top_k=k, top_p=1.0), logits)
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [
+        (0.01, {2}),  # the top token always stays
+        (0.45, {2}),  # 0.5 >= 0.45 already
+        (0.6, {2, 0}),  # 0.5 < 0.6, 0.75 reaches it
+        (0.8, {2, 0, 3}),  # 0.75 < 0.8, 0.9 reaches it
+        (0.95, {2, 0, 3, 1}),
+        (1.0, {0, 1, 2, 3}),
+    ],
+)
+def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p, expected):
+    logits = torch.tensor([0.25, 0.10, 0.50, 0.15]).log()
+    assert kept(apply_top_k_top_p(logits, top_k=0, top_p=top_p)) == expected
+
+
+def test_top_p_after_top_k_uses_renormalised_mass():
+    # probs [0.5, 0.3, 0.2]: top-k=2 renormalises to [0.625, 0.375]; top_p=0.6 then keeps only token 0.
+    # (top-p first would keep {0, 1} since 0.5 < 0.6, and top-k=2 would keep both.)
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    assert kept(apply_top_k_top_p(logits, top_k=2, top_p=0.6)) == {0}
+
+
+def test_temperature_is_applied_before_top_p():
+    # At T=1 top_p=0.7 keeps {0, 1}; at T=0.5 token 0 has mass 0.78 >= 0.7, so only token 0 survives.
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    gen = torch.Generator().manual_seed(0)
+    cold = sample(logits.expand(400, 3), [SamplingSpec(0.5, 0, 0.7)] * 400, [gen] * 400)
+    assert set(cold) == {0}
+    warm = sample(logits.expand(400, 3), [SamplingSpec(1.0, 0, 0.7)] * 400, [gen] * 400)
+    assert set(warm) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (0.8, 0, 0.8), (0.8, 4, 0.9), (2.0, 5, 0.75)],
+)
+def test_masked_distribution_matches_reference(temperature, top_k, top_p):
+    ref = reference_probs(LOGITS, temperature, top_k, top_p)
+    masked = apply_top_k_top_p(torch.tensor(LOGITS) / temperature, top_k, top_p)
+    assert kept(masked) == {i for i, p in enumerate(ref) if p > 0}
+    gen = torch.Generator().manual_seed(1234)
+    draws = torch.multinomial(masked.softmax(-1), 20000, replacement=True, generator=gen).tolist()
+    for got, want in zip(frequencies(draws, len(LOGITS)), ref, strict=True):
+        assert got == pytest.approx(want, abs=0.02)
+        if want == 0:
+            assert got == 0
+
+
+def test_sample_end_to_end_distribution():
+    temperature, top_k, top_p = 0.8, 4, 0.9
+    ref = reference_probs(LOGITS, temperature, top_k, top_p)
+    n = 4000
+    gen = torch.Generator().manual_seed(7)
+    spec = SamplingSpec(temperature, top_k, top_p)
+    draws = sample(torch.tensor([LOGITS]).expand(n, -1), [spec] * n, [gen] * n)
+    for got, want in zip(frequencies(draws, len(LOGITS)), ref, strict=True):
+        assert got == pytest.approx(want, abs=0.03)
+        if want == 0:
+            assert got == 0
+
+
+def _draw(seed: int, n: int = 64) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(n, 16)  # uniform over 16 tokens: sequences of different seeds will differ
+    return sample(logits, [SamplingSpec(1.0)] * n, [gen] * n)
+
+
+def test_same_seed_same_samples_different_seed_different_samples():
+    assert _draw(42) == _draw(42)
+    assert _draw(42) != _draw(43)
+    assert len(set(_draw(42))) > 1

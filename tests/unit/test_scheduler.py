@@ -1,0 +1,238 @@
+"""Scheduler + BlockManager driven by fake model outputs: budget, chunked prefill, caps, preemption."""
+
+from __future__ import annotations
+
+import random
+
+from kvferry.decode_worker.block_manager import BlockManager
+from kvferry.decode_worker.request import Request, RequestStatus, SamplingParams
+from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.kvpool.keys import model_fingerprint
+
+BS = 4
+FP = model_fingerprint("unit-test-model", "float32")
+
+
+def make_req(rid: str, n: int, base: int, max_tokens: int = 3) -> Request:
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens))
+
+
+class Driver:
+    """Runs schedule -> fake model -> update, checking the caps on every step."""
+
+    def __init__(self, num_blocks: int = 16, max_num_seqs: int = 256, budget: int = 2048, caching=True):
+        self.bm = BlockManager(num_blocks, BS, FP, enable_caching=caching)
+        self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        self.sched = Scheduler(self.cfg, self.bm)
+        self.admitted: list[str] = []  # request ids in the order they first ran
+        self.finished: list[Request] = []
+        self.on_batch = lambda batch: None  # called between schedule() and the fake model's update
+
+    def add(self, *reqs: Request) -> None:
+        for r in reqs:
+            self.sched.add(r)
+
+    def step(self) -> ScheduledBatch:
+        batch = self.sched.schedule()
+        assert batch.num_tokens <= self.cfg.max_num_batched_tokens
+        assert len(self.sched.running) <= self.cfg.max_num_seqs
+        assert all(n > 0 for _, n in batch.work)
+        assert len({id(r) for r, _ in batch.work}) == len(batch.work)
+        for req, _ in batch.work:
+            if req.request_id not in self.admitted:
+                self.admitted.append(req.request_id)
+        self.on_batch(batch)
+        for req in self.sched.update(batch):
+            assert req.num_computed_tokens == req.num_tokens
+            req.output_token_ids.append(9000 + len(req.output_token_ids))
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                self.finished.append(req)
+        self.bm.check_invariants()
+        for req in self.sched.running:
+            assert len(req.block_ids) == self.bm.blocks_needed(req.num_computed_tokens)
+        return batch
+
+    def run(self, max_steps: int = 200) -> list[ScheduledBatch]:
+        batches = []
+        while self.sched.has_unfinished():
+            batches.append(self.step())
+            assert len(batches) < max_steps, "scheduler made no progress"
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        return batches
+
+
+def test_chunked_prefill_splits_long_prompt_into_budget_sized_chunks():
+    d = Driver(budget=8)
+    req = make_req("long", 20, base=0, max_tokens=2)
+    d.add(req)
+    b1 = d.step()
+    assert b1.work == [(req, 8)] and req.num_computed_tokens == 8 and req.output_token_ids == []
+    b2 = d.step()
+    assert b2.work == [(req, 8)] and req.num_computed_tokens == 16 and req.output_token_ids == []
+    b3 = d.step()
+    assert b3.work == [(req, 4)] and len(req.output_token_ids) == 1
+    assert d.step().work == [(req, 1)]
+    assert req.status == RequestStatus.FINISHED_LENGTH and len(req.output_token_ids) == 2
+    assert not d.sched.has_unfinished()
+
+
+def test_budget_never_exceeded_and_fills_up_with_waiting_prompts():
+    d = Driver(num_blocks=64, budget=10)
+    reqs = [make_req(f"r{i}", n, base=100 * i, max_tokens=4) for i, n in enumerate([3, 17, 6, 11, 2, 9])]
+    d.add(*reqs)
+    batches = d.run()
+    assert all(b.num_tokens <= 10 for b in batches)
+    assert max(b.num_tokens for b in batches) == 10  # the budget is used, not just respected
+    assert batches[0].work == [(reqs[0], 3), (reqs[1], 7)]  # second prompt chunked to the remaining 7
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 4 for r in reqs)
+    total = sum(b.num_tokens for b in batches)
+    assert total == sum(r.num_prompt_tokens + 3 for r in reqs)  # prompts + decodes, nothing recomputed
+
+
+def test_running_decodes_are_scheduled_before_new_prompts():
+    d = Driver(num_blocks=64, budget=6)
+    a, b = make_req("a", 4, base=0, max_tokens=5), make_req("b", 20, base=100)
+    d.add(a)
+    d.step()
+    d.add(b)
+    batch = d.step()
+    assert batch.work == [(a, 1), (b, 5)]
+
+
+def test_max_num_seqs_caps_running():
+    d = Driver(num_blocks=64, max_num_seqs=2)
+    reqs = [make_req(f"r{i}", 5, base=10 * i) for i in range(5)]
+    d.add(*reqs)
+    first = d.step()
+    assert [r for r, _ in first.work] == reqs[:2]
+    assert d.sched.running == reqs[:2] and list(d.sched.waiting) == reqs[2:]
+    d.run()  # Driver.step asserts len(running) <= 2 on every step
+    assert all(len(r.output_token_ids) == 3 for r in reqs)
+
+
+def test_fcfs_admission_and_no_overtaking_when_head_does_not_fit():
+    d = Driver(num_blocks=8, budget=64)
+    a = make_req("a", 24, base=0, max_tokens=1)  # 6 blocks
+    big = make_req("big", 12, base=100, max_tokens=1)  # 3 blocks: does not fit next to a
+    small = make_req("small", 3, base=200, max_tokens=1)  # 1 block: would fit, must not overtake
+    d.add(a, big, small)
+    first = d.step()
+    assert [r for r, _ in first.work] == [a]
+    assert list(d.sched.waiting) == [big, small]
+    d.run()
+    assert d.admitted == ["a", "big", "small"]
+
+
+def test_fcfs_order_over_many_requests():
+    d = Driver(num_blocks=12, max_num_seqs=3, budget=16)
+    reqs = [make_req(f"r{i}", 3 + (7 * i) % 9, base=50 * i) for i in range(8)]
+    d.add(*reqs)
+    d.run()
+    assert d.admitted == [r.request_id for r in reqs]
+
+
+def test_preempts_most_recently_admitted_and_it_resumes():
+    d = Driver(num_blocks=6, max_num_seqs=3, budget=64)
+    a = make_req("a", 7, base=100)  # 2 blocks, room for one more token
+    b = make_req("b", 8, base=200)  # 2 full blocks: its first decode needs a 3rd
+    c = make_req("c", 8, base=300)
+    late = make_req("late", 4, base=400)
+    d.add(a, b, c, late)
+    first = d.step()
+    assert [r for r, _ in first.work] == [a, b, c] and d.bm.num_free_blocks == 0
+    assert list(d.sched.waiting) == [late]
+
+    second = d.step()  # b needs a block: c, the last admitted, is preempted for it
+    assert second.preempted == [c]
+    assert second.work == [(a, 1), (b, 1)]
+    assert c.status == RequestStatus.PREEMPTED and c.num_preemptions == 1
+    assert c.block_ids == [] and c.num_computed_tokens == 0
+    assert list(d.sched.waiting) == [c, late]  # back at the front
+    assert d.sched.running == [a, b]
+    assert len(c.output_token_ids) == 1  # its generated token is kept and recomputed
+
+    third = d.step()  # a and b decode and finish; c (at the head) does not fit yet, late must wait
+    assert third.work == [(a, 1), (b, 1)] and not third.preempted
+    assert list(d.sched.waiting) == [c, late]
+    fourth = d.step()  # c resumes first: its old blocks were reused, so 8 prompt + 1 output recomputed
+    assert fourth.work == [(c, 9), (late, 4)]
+    assert c.status == RequestStatus.RUNNING and c.num_cached_tokens == 0
+    d.run()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 3 for r in (a, b, c))
+    assert late.status == RequestStatus.FINISHED_LENGTH
+    assert c.num_preemptions == 1 and a.num_preemptions == b.num_preemptions == 0
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    d = Driver(num_blocks=6, max_num_seqs=3, budget=64, caching=False)
+    a, b, c = make_req("a", 7, base=100), make_req("b", 8, base=200), make_req("c", 8, base=300)
+    d.add(a, b, c)
+    d.step()
+    assert d.step().preempted == [c]
+    while c.status == RequestStatus.PREEMPTED:
+        batch = d.step()
+    assert (c, 9) in batch.work  # 8 prompt tokens + its 1 output token, from scratch
+    d.run()
+    assert len(c.output_token_ids) == 3
+
+
+def test_last_running_request_preempts_itself_when_nothing_else_can_go():
+    d = Driver(num_blocks=4, budget=64)
+    a, b = make_req("a", 7, base=0), make_req("b", 8, base=100)
+    d.add(a, b)
+    d.step()
+    batch = d.step()
+    assert batch.preempted == [b] and batch.work == [(a, 1)]
+    assert b.status == RequestStatus.PREEMPTED and list(d.sched.waiting) == [b]
+    d.run()
+    assert len(a.output_token_ids) == 3 and len(b.output_token_ids) == 3
+
+
+def test_preempted_request_resumes_from_its_still_cached_prefix():
+    d = Driver(num_blocks=5, budget=64)
+    a = make_req("a", 8, base=0, max_tokens=2)  # blocks 0-1, full: its first decode needs a 3rd block
+    b = make_req("b", 11, base=100)  # 3 blocks, the last partial
+    d.add(a, b)
+    d.step()
+    second = d.step()
+    assert second.preempted == [b] and second.work == [(a, 1)]
+    assert a.status == RequestStatus.FINISHED_LENGTH  # finished in that step, freeing its blocks
+    third = d.step()  # b's two full prompt blocks survived (a took b's keyless tail block)
+    assert third.work == [(b, 12 - 8)]
+    assert b.num_computed_tokens == 12
+    d.run()
+    assert len(b.output_token_ids) == 3 and b.num_preemptions == 1
+
+
+def test_random_workload_keeps_kv_consistent_and_leaks_nothing():
+    """Simulated KV contents: every computed position of a running request holds that request's token."""
+    rng = random.Random(0)
+    d = Driver(num_blocks=10, max_num_seqs=4, budget=12)
+    kv = {b: [None] * BS for b in range(10)}
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(2)]
+    reqs = []
+    for i in range(30):
+        tail = [rng.randrange(50) for _ in range(rng.randint(0, 5))]
+        prompt = rng.choice(prefixes)[: rng.randint(3, 12)] + tail
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 6))))
+    d.add(*reqs)
+
+    def write_kv(batch: ScheduledBatch) -> None:
+        for req, n in batch.work:
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                kv[req.block_ids[pos // BS]][pos % BS] = req.all_token_ids[pos]
+
+    d.on_batch = write_kv
+    for _ in range(1000):
+        if not d.sched.has_unfinished():
+            break
+        d.step()
+        for req in d.sched.running:
+            for pos in range(req.num_computed_tokens):
+                assert kv[req.block_ids[pos // BS]][pos % BS] == req.all_token_ids[pos], req.request_id
+        if d.sched.running and rng.random() < 0.05:
+            d.sched.finish(rng.choice(d.sched.running), RequestStatus.FINISHED_ABORTED)
+    assert not d.sched.has_unfinished() and all(r.is_finished for r in reqs)
+    assert d.bm.num_free_blocks == d.bm.num_blocks
+    assert any(r.num_preemptions for r in reqs) and d.bm.hits > 0  # both paths were exercised
