@@ -49,26 +49,42 @@ def experts_forward(
 
     x: [T, H]; ids, weights: [T, k]; w13: [E_local, H, 2I]; w2: [E_local, I, H]. Assignments to experts
     outside the local range are skipped. Returns [T, H], the weighted sum over the local experts.
+    Decode-sized batches that spread over the experts run as one padded batched matmul (at most half the
+    rows padding); otherwise (prefill, or a few tokens on a few experts) one matmul per hit expert.
     """
-    out = torch.zeros_like(x)
     num_local, top_k = w13.shape[0], ids.shape[1]
-    flat = ids.flatten() - first_expert
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat.clamp(-1, num_local).add(1), minlength=num_local + 2)[1:-1].tolist()
-    start = int((flat < 0).sum())  # skip assignments to lower-numbered remote experts
-    rows, outputs = [], []
+    local = ids.flatten() - first_expert
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local.clamp(-1, num_local).add(1), minlength=num_local + 2)[1:-1]
+    begin = int((local < 0).sum())  # assignments to lower-numbered remote experts sort first
+    sel = order[begin : begin + int(counts.sum())]  # local assignments, grouped by expert
+    token, scale = sel // top_k, weights.flatten()[sel, None]
+    width = int(counts.max())
+    if x.shape[0] <= PADDED_MAX_TOKENS and width * num_local <= 2 * sel.numel():
+        y = _padded_experts(x[token], local[sel], counts, width, w13, w2)
+    else:
+        y = _looped_experts(x[token], counts.tolist(), w13, w2)
+    return torch.zeros_like(x).index_add_(0, token, y * scale)
+
+
+PADDED_MAX_TOKENS = 128
+
+
+def _padded_experts(xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, width: int, w13, w2):
+    """xs: [N, H] rows grouped by `expert` [N]. One bmm per projection over [E_local, width, H]."""
+    slot = torch.arange(xs.shape[0], device=xs.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])
+    padded[expert, slot] = xs
+    return torch.bmm(silu_and_mul(torch.bmm(padded, w13)), w2)[expert, slot]
+
+
+def _looped_experts(xs: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
+    outputs, start = [], 0
     for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        sel = order[start : start + count]
-        start += count
-        token = sel // top_k
-        h = silu_and_mul(x[token] @ w13[expert]) @ w2[expert]
-        outputs.append(h * weights.flatten()[sel, None])
-        rows.append(token)
-    if outputs:
-        out.index_add_(0, torch.cat(rows), torch.cat(outputs))
-    return out
+        if count:
+            outputs.append(silu_and_mul(xs[start : start + count] @ w13[expert]) @ w2[expert])
+            start += count
+    return torch.cat(outputs) if outputs else xs
 
 
 class SparseMoeBlock(nn.Module):
