@@ -94,6 +94,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, count: int) -> list[int]:
+        """all_token_ids[start : start + count] without copying the whole sequence."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : start - prompt_len + count]
+        if start + count <= prompt_len:
+            return self.prompt_token_ids[start : start + count]
+        return self.all_token_ids[start : start + count]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvferry.model.decode_mirror import DecodeMirror
+
 
 @dataclass
 class PrefillChunk:
@@ -32,6 +34,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [Hkv * Bd * max_blocks] cache rows (head, block) to gather
     decode_bias: torch.Tensor | None = None  # [1, Bd, 1, max_blocks * block_size] 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
+    mirror: DecodeMirror | None = None  # set by the runner when the decode batch uses a mirror
 
     @classmethod
     def build(
@@ -79,12 +82,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D]."""
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta, scale, layer)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
@@ -107,17 +111,33 @@ def block_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    layer: int,
 ) -> torch.Tensor:
+    """q: [Bd, Hq, D]. The G query heads sharing a KV head act as G query rows of one batched matmul."""
     bd, hq, d = q.shape
     hkv = k_cache.shape[0]
     group = hq // hkv
-    keys = gather_rows(k_cache, meta.decode_rows).view(hkv * bd, -1, d)  # [Hkv*Bd, S, D]
-    values = gather_rows(v_cache, meta.decode_rows).view(hkv * bd, -1, d)
-    # the G query heads that share a KV head act as G query rows: [Hkv*Bd, G, D]
-    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d)
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale).view(hkv, bd, group, -1)
-    probs = (scores + meta.decode_bias).softmax(-1).view(hkv * bd, group, -1)
+
+    def gather() -> tuple[torch.Tensor, torch.Tensor]:  # [Hkv*Bd, S, D] each
+        keys = gather_rows(k_cache, meta.decode_rows).view(hkv * bd, -1, d)
+        return keys, gather_rows(v_cache, meta.decode_rows).view(hkv * bd, -1, d)
+
+    if meta.mirror is not None:
+        keys_t, values = meta.mirror.layer_kv(layer, k, v, gather)
+    else:
+        keys, values = gather()
+        keys_t = keys.transpose(1, 2)
+    width = keys_t.shape[-1]
+    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d)  # [Hkv*Bd, G, D]
+    scores = torch.bmm(grouped, keys_t).mul_(scale).view(hkv, bd, group, width)
+    probs = (scores + meta.decode_bias[..., :width]).softmax(-1).view(hkv * bd, group, width)
     out = torch.bmm(probs, values)  # [Hkv*Bd, G, D]
     return out.view(hkv, bd, group, d).transpose(0, 1).reshape(bd, hq, d)
 

@@ -13,8 +13,9 @@ from kvferry.model.moe import DenseMLP, SparseMoeBlock
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # weights are [in, out] (see moe.py)
         self.qkv = nn.Parameter(
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(kv[0], kv[1], k, v, meta)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
         return out.reshape(t, -1) @ self.o
 
 
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer):
             self.mlp: nn.Module = SparseMoeBlock(
