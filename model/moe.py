@@ -12,8 +12,12 @@ from torch import nn
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [..., 2I] -> [..., I], computed in place in the gate half of `gate_up`.
+
+    Callers pass a fresh matmul output; reusing it saves two allocations and a pass over memory.
+    """
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 class DenseMLP(nn.Module):
