@@ -8,7 +8,7 @@ from torch import nn
 
 from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
-from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm
 from kvferry.model.moe import DenseMLP, SparseMoeBlock
 
 
@@ -33,12 +33,14 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = (x @ self.qkv).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(t, self.num_heads, self.head_dim)), *rope)  # [T, Hq, D]
-        k = apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), *rope)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x @ self.qkv
+        # q and k heads are adjacent: normalise (each with its own weight) and rotate them in one pass
+        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
+        qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
+        q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         write_kv(kv[0], kv[1], k, v, meta)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
         return out.reshape(t, -1) @ self.o
