@@ -9,6 +9,7 @@ pass and samples, and the update appends tokens, applies stop rules and frees fi
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from kvferry.decode_worker.output import Completion, OutputState, RequestOutput
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
-from kvferry.model.config import ModelConfig, ModelConfigError, resolve_dtype
+from kvferry.model.config import ModelConfig, ModelConfigError, generation_eos_ids, resolve_dtype
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import load_model
 from kvferry.model.tokenizer import Tokenizer
@@ -43,9 +44,24 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
 
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_memory_gib <= 0:
+            raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+
+class EngineConfigError(ValueError):
+    """An engine setting that cannot work (the message names the flag)."""
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
+        cfg.validate()
         settings = load_settings()
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
@@ -60,8 +76,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
-        self.eos_ids = model_cfg.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        self.eos_ids = tuple(
+            dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)
         )
         num_blocks = cfg.num_kv_blocks or int(
             cfg.kv_cache_memory_gib * 2**30 // kv_block_bytes(self.model, cfg.block_size, self.dtype)
@@ -96,7 +113,10 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
+        try:
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt_token_ids must be integers") from None
         if not ids:
             raise InvalidRequestError("prompt_token_ids must not be empty")
         vocab = self.model.cfg.vocab_size
@@ -160,6 +180,8 @@ class LLMEngine:
 
     def outputs_of(self, request_id: str) -> Iterator[RequestOutput]:
         """Step the engine until `request_id` finishes, yielding its increments."""
+        if request_id not in self.states:
+            raise InvalidRequestError(f"no unfinished request {request_id!r}")
         while True:
             for out in self.step():
                 if out.request_id == request_id:

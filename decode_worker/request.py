@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -54,16 +55,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # also false for NaN
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a tuple of non-empty strings")
+        if not isinstance(self.stop_token_ids, tuple) or any(type(t) is not int for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be a tuple of integers")
 
     @property
     def spec(self) -> SamplingSpec:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+from kvferry.decode_worker.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.decode_worker.output import Completion
 from kvferry.decode_worker.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import ModelConfigError
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (InvalidRequestError, ModelConfigError) as err:
+    except (InvalidRequestError, ModelConfigError, EngineConfigError) as err:
         print(f"kvferry: error: {err}", file=sys.stderr)
         return 2
 
@@ -98,6 +98,8 @@ def sampling_params_from(args, overrides: dict | None = None) -> SamplingParams:
     for key, value in (overrides or {}).items():
         if key not in values:
             raise InvalidRequestError(f"unknown sampling field {key!r}")
+        if key == "stop" and isinstance(value, str):
+            value = [value]
         values[key] = tuple(value) if isinstance(value, list) else value
     return SamplingParams(**values)
 

@@ -94,6 +94,15 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
 
 
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (real Qwen3 checkpoints list extra stop tokens there)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def _rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))

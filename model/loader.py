@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvferry.model.config import ModelConfig, ModelConfigError
+from kvferry.model.layers import RotaryEmbedding
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,20 +52,26 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     reader = CheckpointReader(model_dir)
-    model = Qwen3MoeModel(cfg, max_positions)  # parameters are torch.empty: nothing is initialised twice
+    # parameters start on the meta device and are materialised one at a time, straight in the target
+    # dtype and device: peak memory is the model plus one tensor, not a float32 copy of everything
+    with torch.device("meta"):
+        model = Qwen3MoeModel(cfg, max_positions)
+    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+    model.rotary.to(device)
     params = dict(model.named_parameters())
-    transposed = {n for n in params if n.split(".")[-1] in _INPUT_MAJOR}
     for name, build in _weight_plan(cfg, reader).items():
         target = params.pop(name)
-        tensor = build()
-        if name in transposed:
+        tensor = build().to(dtype)
+        if name.split(".")[-1] in _INPUT_MAJOR:
             tensor = tensor.mT
         if tensor.shape != target.shape:
             raise ModelConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-        target.data.copy_(tensor.to(dtype))
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        owner._parameters[attr] = nn.Parameter(tensor.to(device).contiguous(), requires_grad=False)
     if params:
         raise ModelConfigError(f"no checkpoint tensors for {sorted(params)[:4]}")
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[], torch.Tensor]]:

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below this, logits / T overflows float32: treated as greedy
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Per-row sampling settings; temperature 0 means greedy."""
+    """Per-row sampling settings; temperature 0 (or below MIN_TEMPERATURE) means greedy."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = all tokens
@@ -17,7 +19,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -46,5 +48,7 @@ def sample(
             continue
         masked = apply_top_k_top_p(logits[row] / spec.temperature, spec.top_k, spec.top_p)
         probs = masked.softmax(-1)
+        if gen is not None and gen.device != probs.device:  # seeded generators are CPU generators
+            probs = probs.to(gen.device)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
