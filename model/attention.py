@@ -135,9 +135,10 @@ def _decode_attention(
         keys, values = gather()
         keys_t = keys.transpose(1, 2)
     width = keys_t.shape[-1]
-    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d)  # [Hkv*Bd, G, D]
-    scores = torch.bmm(grouped, keys_t).mul_(scale).view(hkv, bd, group, width)
-    probs = (scores + meta.decode_bias[..., :width]).softmax(-1).view(hkv * bd, group, width)
+    # [Hkv*Bd, G, D], scaled here (small) rather than the scores; not in place: reshape may be a view of q
+    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d) * scale
+    scores = torch.bmm(grouped, keys_t).view(hkv, bd, group, width)
+    probs = scores.add_(meta.decode_bias[..., :width]).softmax(-1).view(hkv * bd, group, width)
     out = torch.bmm(probs, values)  # [Hkv*Bd, G, D]
     return out.view(hkv, bd, group, d).transpose(0, 1).reshape(bd, hq, d)
 

@@ -60,10 +60,10 @@ def experts_forward(
     local = ids.flatten() - first_expert
     order = torch.argsort(local, stable=True)
     counts = torch.bincount(local.clamp(-1, num_local).add(1), minlength=num_local + 2)[1:-1]
-    begin = int((local < 0).sum())  # assignments to lower-numbered remote experts sort first
-    sel = order[begin : begin + int(counts.sum())]  # local assignments, grouped by expert
+    # one host sync: assignments to lower-numbered remote experts (they sort first), local ones, widest expert
+    begin, num_sel, width = torch.stack(((local < 0).sum(), counts.sum(), counts.max())).tolist()
+    sel = order[begin : begin + num_sel]  # local assignments, grouped by expert
     token, scale = sel // top_k, weights.flatten()[sel, None]
-    width = int(counts.max())
     if x.shape[0] <= PADDED_MAX_TOKENS and width * num_local <= 2 * sel.numel():
         y = _padded_experts(x[token], local[sel], counts, width, w13, w2)
     else:
@@ -77,7 +77,7 @@ PADDED_MAX_TOKENS = 128
 def _padded_experts(xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, width: int, w13, w2):
     """xs: [N, H] rows grouped by `expert` [N]. One bmm per projection over [E_local, width, H]."""
     slot = torch.arange(xs.shape[0], device=xs.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])
+    padded = xs.new_empty(w13.shape[0], width, xs.shape[1])  # padding rows are computed, never read
     padded[expert, slot] = xs
     return torch.bmm(silu_and_mul(torch.bmm(padded, w13)), w2)[expert, slot]
 
