@@ -80,7 +80,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=raw.get("max_position_embeddings", 32768),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
-                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                eos_token_ids=_token_ids(eos),
                 name=name,
             )
         except KeyError as missing:
@@ -99,8 +99,12 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return _token_ids(json.loads(path.read_text()).get("eos_token_id"))
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An HF `eos_token_id` field (one id, a list, or absent) as a tuple."""
+    return tuple(value if isinstance(value, list) else [] if value is None else [value])
 
 
 def _rope_theta(raw: dict) -> float:
