@@ -99,13 +99,49 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Drop req's references; tail blocks enter the LRU queue first so they are evicted first."""
-        for block_id in reversed(req.block_ids):
+        self.release(req.block_ids)
+        req.block_ids = []
+        req.num_committed_blocks = 0
+
+    def reserve(self, count: int) -> list[int] | None:
+        """Take `count` free blocks (ref 1) for KV that arrives from elsewhere; None if too few are free."""
+        if count > self.num_free_blocks:
+            return None
+        out = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict_key(self.blocks[block_id])
+            self._take(block_id)
+            out.append(block_id)
+        return out
+
+    def take_cached(self, keys: list[bytes]) -> list[int]:
+        """Take a reference on the blocks caching the leading `keys` (stops at the first miss)."""
+        out = []
+        for key in keys:
+            block_id = self.cached.get(key) if self.enable_caching else None
+            if block_id is None:
+                break
+            self._take(block_id)
+            out.append(block_id)
+        return out
+
+    def register(self, block_id: int, key: bytes) -> None:
+        """Make a held block findable in the prefix cache under `key` (its KV must already be there)."""
+        if not self.enable_caching or key in self.cached:
+            return
+        block = self.blocks[block_id]
+        self._evict_key(block)
+        block.key = key
+        self.cached[key] = block_id
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block (those taken by reserve/take_cached)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        req.block_ids = []
-        req.num_committed_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, Scheduler
 from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import ModelConfig, ModelConfigError, generation_eos_ids, resolve_dtype
 from kvferry.model.create import resolve_model
-from kvferry.model.loader import load_model
+from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
 
@@ -89,7 +89,9 @@ class LLMEngine:
                 f"{self.max_model_len}: raise --kv-cache-memory-gib or --num-kv-blocks, "
                 "or lower --max-model-len"
             )
-        fingerprint = model_fingerprint(str(self.model_dir.resolve()), str(self.dtype))
+        self.checkpoint_id = checkpoint_digest(self.model_dir)
+        fingerprint = model_fingerprint(self.checkpoint_id, str(self.dtype))
+        self.fingerprint = fingerprint
         self.block_manager = BlockManager(num_blocks, cfg.block_size, fingerprint, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.block_manager
@@ -99,6 +101,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[OutputState] = []
         self.num_steps = 0
+        # called with each request that finishes, before its KV blocks are freed (the prefill worker
+        # copies the prompt's KV out here)
+        self.finish_hook: Callable[[Request], None] | None = None
 
     def add_request(
         self,
@@ -107,6 +112,23 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
     ) -> str:
+        req = self.make_request(prompt, params, prompt_token_ids, request_id)
+        self.submit(req)
+        return req.request_id
+
+    def submit(self, req: Request) -> None:
+        """Queue a request made by `make_request`."""
+        self.states[req.request_id] = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.scheduler.add(req)
+
+    def make_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize a request without scheduling it (raises InvalidRequestError)."""
         params = params or SamplingParams()
         params.validate()
         if prompt_token_ids is None:
@@ -129,10 +151,26 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.states:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, ids, params)
-        self.states[request_id] = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
+        return Request(request_id, ids, params)
+
+    def add_with_kv(self, req: Request, first_token: int, block_ids: list[int], num_kv_tokens: int) -> None:
+        """Add a request whose prompt KV already sits in `block_ids` (covering `num_kv_tokens` tokens)
+        and whose first output token was sampled elsewhere (decode of a disaggregated request).
+
+        It joins the waiting queue holding its blocks; the scheduler resumes it from `num_kv_tokens`
+        (a prompt whose KV is only partly there gets the rest recomputed here).
+        """
+        state = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.states[req.request_id] = state
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = num_kv_tokens
+        finished = state.add_token(first_token)
+        state.pending_ids = []  # the first token was already streamed by the prefill side
+        if finished is not None:
+            self.scheduler.finish(req, finished)
+            self._aborted.append(state)
+            return
         self.scheduler.add(req)
-        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its stream ends with finish_reason 'abort'. False if it is unknown."""
@@ -162,6 +200,8 @@ class LLMEngine:
             state = self.states[req.request_id]
             finished = state.add_token(sampled[req])
             if finished is not None:
+                if self.finish_hook is not None:
+                    self.finish_hook(req)
                 self.scheduler.finish(req, finished)
                 outputs.append(self._finish_output(state))
             else:

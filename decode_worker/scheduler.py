@@ -72,13 +72,16 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            cached = self.blocks.cached_prefix(req)
-            num_cached = len(cached) * self.blocks.block_size
+            if req.block_ids:  # arrived with its KV (pulled from the pool): resume after it
+                cached, num_cached = [], req.num_computed_tokens
+            else:
+                cached = self.blocks.cached_prefix(req)
+                num_cached = len(cached) * self.blocks.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.blocks.allocate(req, n, cached):
                 return
             self.waiting.popleft()
-            if req.status == RequestStatus.WAITING:
+            if req.status == RequestStatus.WAITING and cached:
                 req.num_cached_tokens = num_cached
                 self.blocks.hits += num_cached
             req.num_computed_tokens = num_cached

@@ -19,10 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _model_parser(sub)
     _generate_parser(sub)
+    _up_parser(sub)
     args = parser.parse_args(argv)
+    from kvferry.deploy.config import ClusterConfigError
+
     try:
         return args.func(args)
-    except (InvalidRequestError, ModelConfigError, EngineConfigError) as err:
+    except (InvalidRequestError, ModelConfigError, EngineConfigError, ClusterConfigError) as err:
         print(f"kvferry: error: {err}", file=sys.stderr)
         return 2
 
@@ -120,14 +123,18 @@ def _generate_parser(sub) -> None:
         "--prompts-file", type=Path, help="JSONL: prompt or prompt_token_ids (+ sampling fields)"
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
+    gen.add_argument("--server", metavar="HOST:PORT", help="send to a running cluster's router instead")
+    gen.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (--server)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args) -> int:
-    engine = LLMEngine(engine_config_from(args))
     params = sampling_params_from(args)
+    if args.server:
+        return _generate_remote(args, params)
+    engine = LLMEngine(engine_config_from(args))
     if args.prompts_file:
         requests = _read_prompts(args.prompts_file, args)
         for done in engine.generate(requests, use_tqdm=True):
@@ -172,6 +179,133 @@ def _read_prompts(path: Path, args) -> list[dict]:
             {"prompt": prompt, "prompt_token_ids": ids, "params": sampling_params_from(args, item)}
         )
     return requests
+
+
+def _generate_remote(args, params: SamplingParams) -> int:
+    """`kvferry generate --server`: the same flags, answered by a cluster over gRPC."""
+    import grpc
+
+    from kvferry.router.client import Client, build_request
+
+    if args.prompts_file:
+        requests = _read_prompts(args.prompts_file, args)
+    else:
+        ids = list(_int_list(args.prompt_token_ids)) if args.prompt_token_ids else None
+        requests = [{"prompt": args.prompt, "prompt_token_ids": ids, "params": params}]
+    with Client(args.server) as client:
+        for item in requests:
+            p: SamplingParams = item["params"]
+            request = build_request(
+                item["prompt"],
+                item["prompt_token_ids"],
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                seed=p.seed,
+                stop=p.stop,
+                stop_token_ids=p.stop_token_ids,
+                ignore_eos=p.ignore_eos,
+            )
+            ids, pieces, finished, rid = [], [], None, ""
+            try:
+                for msg in client.stream(request, timeout=args.timeout):
+                    rid = msg.request_id
+                    ids += msg.token_ids
+                    pieces.append(msg.text)
+                    if not args.json:
+                        print(msg.text, end="", flush=True)
+                    if msg.HasField("finished"):
+                        finished = msg.finished
+            except grpc.RpcError as err:
+                print(f"\nkvferry: error: {err.code().name}: {err.details()}", file=sys.stderr)
+                return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "request_id": rid,
+                            "output_token_ids": ids,
+                            "text": "".join(pieces),
+                            "finish_reason": finished.finish_reason,
+                            "prompt_tokens": finished.prompt_tokens,
+                            "cached_tokens": finished.cached_tokens,
+                            "timings_ms": {
+                                f.name: getattr(finished.timings, f.name)
+                                for f in finished.timings.DESCRIPTOR.fields
+                            },
+                        }
+                    ),
+                    flush=True,
+                )
+            else:
+                t = finished.timings
+                print(
+                    f"\n[finish_reason={finished.finish_reason} prompt={finished.prompt_tokens} "
+                    f"output={finished.output_tokens} cached={finished.cached_tokens} "
+                    f"ttft={t.ttft_ms:.0f}ms e2e={t.e2e_ms:.0f}ms]",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def _up_parser(sub) -> None:
+    up = sub.add_parser("up", help="start a whole cluster (redis, pool, prefill, decode, router) locally")
+    up.add_argument("--config", type=Path, help="cluster YAML (see docs/architecture.md)")
+    up.add_argument("--model", default=None, help="checkpoint directory, or tiny | bench")
+    up.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    up.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 = any free)")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    up.add_argument("--prefill-replicas", type=int, default=None)
+    up.add_argument("--decode-replicas", type=int, default=None)
+    up.add_argument("--log-dir", type=Path, default=None, help="component logs (default: a temp dir)")
+    up.add_argument(
+        "--prompt", help="one-shot: stream this prompt's completion through the cluster, then stop"
+    )
+    add_sampling_args(up)
+    up.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(args) -> int:
+    from kvferry.deploy.config import load_cluster_config
+    from kvferry.deploy.local import LaunchError, LocalCluster, run_until_signal
+
+    cfg = load_cluster_config(args.config).with_overrides(
+        model=args.model,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+    )
+    cluster = LocalCluster(cfg, log_dir=args.log_dir)
+    try:
+        addr = cluster.start()
+    except LaunchError as err:
+        cluster.stop()
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 1
+    except BaseException:
+        cluster.stop()
+        raise
+    try:
+        print(f"kvferry cluster ready: router at {addr} (logs in {cluster.log_dir})", flush=True)
+        if args.prompt is None:
+            run_until_signal(cluster)
+            print("kvferry: shutting down", file=sys.stderr, flush=True)
+            return 0
+        args.server, args.prompts_file, args.prompt_token_ids, args.json, args.timeout = (
+            addr,
+            None,
+            None,
+            False,
+            None,
+        )
+        return _generate_remote(args, sampling_params_from(args))
+    finally:
+        cluster.stop()
 
 
 if __name__ == "__main__":

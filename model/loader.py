@@ -125,3 +125,25 @@ def _experts_w2(r: CheckpointReader, prefix: str, num_experts: int) -> torch.Ten
     if prefix + "experts.down_proj" in r:
         return r.get(prefix + "experts.down_proj")
     return torch.stack([r.get(f"{prefix}experts.{e}.down_proj.weight") for e in range(num_experts)])
+
+
+def checkpoint_digest(model_dir: Path, sample_bytes: int = 1 << 20) -> str:
+    """A content identity for a checkpoint, stable across processes and hosts (hex).
+
+    Covers config.json, and each safetensors file's name, size, header and its first and last
+    `sample_bytes` of data: different weights of the same shape (another seed, another fine-tune)
+    differ there, and it costs a few MB of reads however large the model.
+    """
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(sample_bytes))
+            if size > sample_bytes:
+                f.seek(max(sample_bytes, size - sample_bytes))
+                h.update(f.read(sample_bytes))
+    return h.hexdigest()

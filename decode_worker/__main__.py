@@ -1,0 +1,5 @@
+import sys
+
+from kvferry.decode_worker.worker import main
+
+sys.exit(main())

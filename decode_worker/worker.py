@@ -1,0 +1,262 @@
+"""The decode worker: continuous batching behind the DecodeWorker gRPC service.
+
+A request arrives with its prompt, the first token (sampled by the prefill worker) and where its KV
+lies in the pool. It waits in WAITING_FOR_KV while a transfer thread pulls the blocks straight into
+its reserved slots of the paged cache (the running batch keeps stepping meanwhile), then joins the
+batch and streams tokens. Blocks the worker already caches locally are not pulled again; blocks the
+pool no longer holds are recomputed here, so a pool miss costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvferry.convert import sampling_from_proto
+from kvferry.decode_worker.engine import LLMEngine
+from kvferry.decode_worker.request import InvalidRequestError, Request, SamplingParams
+from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
+from kvferry.kvpool.client import PoolClient, PoolError, from_proto
+from kvferry.kvpool.transfer import unpack_blocks
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    request: worker_pb2.DecodeRequest
+    arrived: float
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    req: Request | None = None
+    local: list[int] = field(default_factory=list)  # blocks found in the local prefix cache
+    reserved: list[int] = field(default_factory=list)  # blocks the pulled KV lands in
+    pulling: bool = False
+    aborted: bool = False
+    kv_ready: float = 0.0
+    kv_pull_ms: float = 0.0
+    pulled_tokens: int = 0
+    recomputed_tokens: int = 0
+    sent_first: bool = False
+
+
+class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
+        self.engine = engine
+        self.pool = pool
+        self.worker_id = worker_id
+        self.streams: dict[str, Stream] = {}
+        self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
+        self.counters: Counter[str] = Counter()
+        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._admit_waiting)
+        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.loop.join(5)
+        self.transfers.shutdown(wait=True)
+
+    def load(self) -> dict:
+        bm = self.engine.block_manager
+        return {
+            "inflight": len(self.streams),
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+        }
+
+    # -- gRPC -----------------------------------------------------------------------------------------
+    def Decode(self, request, context):
+        stream = Stream(request, time.perf_counter())
+        rid = request.request_id
+        context.add_callback(lambda: self.loop.submit(lambda: self._abort(rid)))
+        self.loop.submit(lambda: self._admit(stream))
+        while True:
+            item = stream.out.get()
+            if isinstance(item, InvalidRequestError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            yield item
+            if item.finish_reason:
+                return
+
+    def Abort(self, request, context):
+        done = concurrent.futures.Future()
+        self.loop.submit(lambda: done.set_result(self._abort(request.request_id)))
+        return worker_pb2.WorkerAbortResponse(found=done.result(timeout=30))
+
+    def GetWorkerInfo(self, request, context):
+        return worker_info(self.engine, "decode", self.worker_id)
+
+    def GetStats(self, request, context):
+        done = concurrent.futures.Future()
+        self.loop.submit(lambda: done.set_result(self._stats()))
+        return done.result(timeout=30)
+
+    def _stats(self) -> worker_pb2.WorkerStats:
+        e, c = self.engine, self.counters
+        return worker_pb2.WorkerStats(
+            requests=c["requests"],
+            prompt_tokens_computed=c["recomputed_tokens"],
+            pool_hit_tokens=c["pool_hit_tokens"],
+            local_hit_tokens=c["local_hit_tokens"],
+            blocks_pulled=c["blocks_pulled"],
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            waiting_for_kv=sum(1 for s in self.streams.values() if s.req is not None and s.pulling)
+            + len(self.kv_waiting),
+            free_blocks=e.block_manager.num_free_blocks,
+            total_blocks=e.block_manager.num_blocks,
+            active_request_ids=sorted(self.streams),
+            steps=e.num_steps,
+            recomputed_tokens=c["recomputed_tokens"],
+        )
+
+    # -- engine thread --------------------------------------------------------------------------------
+    def _admit(self, stream: Stream) -> None:
+        r = stream.request
+        params = sampling_from_proto(r.sampling)
+        params = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
+        try:
+            if r.request_id in self.streams:
+                raise InvalidRequestError(f"request_id {r.request_id!r} is already decoding here")
+            stream.req = self.engine.make_request(None, params, list(r.prompt_token_ids), r.request_id)
+        except InvalidRequestError as err:
+            stream.out.put(err)
+            return
+        self.streams[r.request_id] = stream
+        self.counters["requests"] += 1
+        if not self._start_pull(stream):
+            self.kv_waiting.append(stream)
+
+    def _start_pull(self, stream: Stream) -> bool:
+        """Take local hits, reserve blocks for the rest and start the pull; False if blocks are short."""
+        req, bm = stream.req, self.engine.block_manager
+        locations = [from_proto(x) for x in stream.request.blocks]
+        bm.update_keys(req)
+        usable = 0  # leading locations whose keys match ours (a different model's KV is never used)
+        for i, loc in enumerate(locations):
+            if i < len(req.block_keys) and loc.key != req.block_keys[i]:
+                break
+            usable += 1
+        locations = locations[:usable]
+        local = bm.take_cached(req.block_keys[: min(usable, len(req.block_keys))])
+        reserved = bm.reserve(len(locations) - len(local))
+        if reserved is None:
+            bm.release(local)
+            if bm.num_blocks - bm.num_free_blocks == 0:  # could never fit: recompute instead
+                reserved, locations = [], []
+            else:
+                return False
+        stream.local, stream.reserved, stream.pulling = local, reserved, True
+        remote = locations[len(local) :]
+        self.transfers.submit(self._pull, stream, remote)
+        return True
+
+    def _admit_waiting(self) -> bool:
+        started = False
+        while self.kv_waiting and self._start_pull(self.kv_waiting[0]):
+            self.kv_waiting.popleft()
+            started = True
+        return started
+
+    def _pull(self, stream: Stream, remote: list) -> None:
+        """Transfer thread: pool -> reserved blocks of the paged cache."""
+        started, n = time.perf_counter(), 0
+        if remote:
+            try:
+                cache, reserved = self.engine.runner.kv_cache, stream.reserved
+
+                def land(first: int, data) -> None:
+                    unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
+
+                n = self.pool.get_into(stream.req.request_id, remote, land)
+            except PoolError as err:
+                log.warning("pulling KV of %s failed, recomputing: %s", stream.req.request_id, err)
+        stream.kv_pull_ms = (time.perf_counter() - started) * 1e3
+        self.loop.submit(lambda: self._kv_ready(stream, n))
+
+    def _kv_ready(self, stream: Stream, served: int) -> None:
+        bm, req = self.engine.block_manager, stream.req
+        stream.pulling = False
+        bm.release(stream.reserved[served:])
+        blocks = stream.local + stream.reserved[:served]
+        if stream.aborted:
+            bm.release(blocks)
+            self._finish(stream, "abort")
+            return
+        bs = bm.block_size
+        covered = min(stream.request.num_kv_tokens, len(blocks) * bs, req.num_prompt_tokens)
+        stream.pulled_tokens = min(served * bs, covered)
+        stream.recomputed_tokens = req.num_prompt_tokens - covered
+        self.counters["blocks_pulled"] += served
+        self.counters["pool_hit_tokens"] += stream.pulled_tokens
+        self.counters["local_hit_tokens"] += min(len(stream.local) * bs, covered)
+        self.counters["recomputed_tokens"] += stream.recomputed_tokens
+        if covered == 0:
+            bm.release(blocks)
+            blocks = []
+        stream.kv_ready = time.perf_counter()
+        self.engine.add_with_kv(req, stream.request.first_token_id, blocks, covered)
+
+    def _on_outputs(self, outputs) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            msg = worker_pb2.DecodeResponse(
+                token_ids=out.new_token_ids, finish_reason=out.finish_reason or ""
+            )
+            if not stream.sent_first:
+                stream.sent_first = True
+                msg.kv_pull_ms = stream.kv_pull_ms
+                msg.first_decode_ms = (
+                    (time.perf_counter() - stream.kv_ready) * 1e3 if stream.kv_ready else 0.0
+                )
+                msg.pulled_tokens = stream.pulled_tokens
+                msg.recomputed_tokens = stream.recomputed_tokens
+            stream.out.put(msg)
+            if out.finished:
+                del self.streams[out.request_id]
+
+    def _finish(self, stream: Stream, reason: str) -> None:
+        self.streams.pop(stream.request.request_id, None)
+        stream.out.put(worker_pb2.DecodeResponse(finish_reason=reason))
+
+    def _abort(self, request_id: str) -> bool:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return False
+        if stream in self.kv_waiting:
+            self.kv_waiting.remove(stream)
+            self._finish(stream, "abort")
+        elif stream.pulling:
+            stream.aborted = True  # the transfer cannot be interrupted; _kv_ready frees its blocks
+        else:
+            self.engine.abort(request_id)
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(
+        "decode",
+        DecodeWorker,
+        lambda servicer, server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+        worker_pb2.DESCRIPTOR,
+        argv,
+    )

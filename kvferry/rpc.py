@@ -1,0 +1,111 @@
+"""gRPC plumbing shared by every kvferry server: health, reflection, registry heartbeats, errors."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def service_names(*descriptors) -> list[str]:
+    """Full service names of generated `DESCRIPTOR`s (for reflection)."""
+    return [svc.full_name for d in descriptors for svc in d.services_by_name.values()]
+
+
+def add_health_and_reflection(server, names: Sequence[str]) -> health.HealthServicer:
+    """Register grpc.health.v1.Health and server reflection; every service starts NOT_SERVING."""
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, names: Sequence[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *names):
+        health_servicer.set(name, status)
+
+
+def start_server(
+    add_servicers: Callable[[grpc.Server], None], names: Sequence[str], host: str, port: int, max_workers: int
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A threaded gRPC server on host:port (0 = any free port); returns it, the bound port, its health."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    add_servicers(server)
+    health_servicer = add_health_and_reflection(server, names)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    server.start()
+    return server, bound, health_servicer
+
+
+def check_health(target: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Heartbeat(threading.Thread):
+    """Re-registers `info()` under (role, member_id) every `interval_s` with a TTL of `ttl_s`.
+
+    Re-sending the whole record (not just refreshing the TTL) is what lets a restarted Redis learn the
+    cluster again within one interval.
+    """
+
+    def __init__(
+        self, store, role: str, member_id: str, info: Callable[[], dict], interval_s: float, ttl_s: float
+    ):
+        super().__init__(name=f"heartbeat-{role}", daemon=True)
+        self.store, self.role, self.member_id, self.info = store, role, member_id, info
+        self.interval_s, self.ttl_s = interval_s, ttl_s
+        self.stopped = threading.Event()
+        self.extra: list[Callable[[], None]] = []  # other periodic chores run on the same thread
+
+    def beat(self) -> None:
+        self.store.register(self.role, self.member_id, self.info(), self.ttl_s)
+        for chore in self.extra:
+            try:
+                chore()
+            except Exception:  # a chore must never stop the heartbeat
+                log.exception("periodic chore failed")
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            self.beat()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.store.unregister(self.role, self.member_id)
+
+
+def hard_exit(code: int) -> None:
+    """End a server process after its orderly shutdown, without joining threads that may still sit in a
+    transfer to a peer that went away (gloo would hold them until its timeout)."""
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for the kvferry.v1 API (see proto/)."""

@@ -1,0 +1,5 @@
+import sys
+
+from kvferry.kvpool.node import main
+
+sys.exit(main())

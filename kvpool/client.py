@@ -1,0 +1,345 @@
+"""The pool client used by workers (put / get blocks) and the router (prefix lookup).
+
+One `PoolClient` per process. It finds nodes in the Redis registry (caching what it learned, so a
+Redis outage does not lose the addresses of nodes it already talks to), connects a pair group to each
+node the first time it needs it, and runs at most one transfer at a time per node (transfers on one
+pair group are ordered by a lock and told apart by tags).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from kvferry.kvpool.metadata import Location, MetadataStore
+from kvferry.kvpool.node import NODE_ROLE
+from kvferry.kvpool.transfer import (
+    CHUNK_BYTES,
+    BlockLayout,
+    Staging,
+    chunk_plan,
+    make_pair_group,
+    recv,
+    recv_stream,
+    send_stream,
+)
+from kvferry.rpc import CHANNEL_OPTIONS
+from kvferry.v1 import pool_pb2, pool_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(RuntimeError):
+    """A pool node could not be reached or refused a transfer."""
+
+
+@dataclass
+class _Node:
+    node_id: str
+    addr: str
+    store_addr: str
+    device: str
+    layout: BlockLayout
+    channel: grpc.Channel
+    stub: pool_pb2_grpc.KVPoolStub
+    staging: Staging
+    group: dist.ProcessGroup | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_tag: int = 1
+
+
+def to_proto(loc: Location) -> pool_pb2.BlockLocation:
+    return pool_pb2.BlockLocation(key=loc.key, node_id=loc.node_id, slot=loc.slot, generation=loc.generation)
+
+
+def from_proto(loc: pool_pb2.BlockLocation) -> Location:
+    return Location(loc.key, loc.node_id, loc.slot, loc.generation)
+
+
+class PoolClient:
+    def __init__(
+        self,
+        meta: MetadataStore,
+        layout: BlockLayout,
+        peer_id: str = "",
+        host: str = "127.0.0.1",
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+    ):
+        self.meta = meta
+        self.layout = layout
+        self.peer_id = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
+        self.host = host
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.nodes: dict[str, _Node] = {}
+        self._known: dict[str, dict] = {}  # node id -> last registry record seen
+        self._known_at = -1e9
+        self._lock = threading.Lock()
+
+    # -- discovery ------------------------------------------------------------------------------------
+    def refresh(self, max_age_s: float = 0.0) -> dict[str, dict]:
+        """Live nodes from the registry (the last known set while Redis is unreachable).
+
+        `max_age_s` > 0 reuses a registry read younger than that (the hot path reads it per put).
+        """
+        now = time.monotonic()
+        if max_age_s <= 0 or now - self._known_at > max_age_s:
+            members = self.meta.members(NODE_ROLE)
+            if members is not None:
+                with self._lock:
+                    self._known, self._known_at = members, now
+        return dict(self._known)
+
+    def pick_node(self) -> str:
+        nodes = self.refresh(max_age_s=1.0)
+        if not nodes:
+            raise PoolError("no KV pool node is registered")
+        return max(nodes, key=lambda n: (nodes[n].get("free_slots", 0), n))
+
+    def _node(self, node_id: str) -> _Node:
+        with self._lock:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                return node
+            info = self._known.get(node_id)
+        if info is None:
+            info = self.refresh().get(node_id)
+            if info is None:
+                raise PoolError(f"pool node {node_id!r} is not registered")
+        layout = BlockLayout.from_list(info["layout"])
+        if layout != self.layout:
+            raise PoolError(f"pool node {node_id} stores {layout}, this worker needs {self.layout}")
+        channel = grpc.insecure_channel(info["addr"], options=CHANNEL_OPTIONS)
+        node = _Node(
+            node_id,
+            info["addr"],
+            info["store"],
+            info["device"],
+            layout,
+            channel,
+            pool_pb2_grpc.KVPoolStub(channel),
+            Staging(self.layout.torch_dtype, self.device),
+        )
+        with self._lock:
+            node = self.nodes.setdefault(node_id, node)
+        return node
+
+    def _connect(self, node: _Node) -> dist.ProcessGroup:
+        """The pair group with `node` (caller holds node.lock); made on first use."""
+        if node.group is not None:
+            return node.group
+        backend = "nccl" if self.device.type == "cuda" and node.device == "cuda" else "gloo"
+        name = f"{self.peer_id}/{uuid.uuid4().hex[:8]}"
+        host, port = node.store_addr.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(self.timeout_s))
+        reply = node.stub.Connect.future(
+            pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
+            timeout=self.timeout_s,
+        )
+        try:
+            group = make_pair_group(store, name, 1, backend, self.host, self.timeout_s)
+            reply.result()
+        except (grpc.RpcError, RuntimeError) as err:
+            reply.cancel()
+            raise PoolError(f"cannot connect to pool node {node.node_id}: {err}") from err
+        node.group = group
+        return group
+
+    def _fail(self, node: _Node, err: Exception, what: str) -> PoolError:
+        node.group = None  # a failed transfer leaves the pair in an unknown state: make a new one
+        return PoolError(f"{what} on pool node {node.node_id} failed: {err}")
+
+    # -- data -----------------------------------------------------------------------------------------
+    def put(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        data: torch.Tensor | Callable[[int, int, torch.Tensor], None],
+        private: Sequence[bool] = (),
+        node_id: str | None = None,
+        head_begin: int = 0,
+        head_end: int | None = None,
+    ) -> list[Location | None]:
+        """Store blocks under `keys`; the location of each (None = the pool could not store it).
+
+        `data` is either the packed blocks [n, L, 2, heads, bs, D], or `fill(first, count, out)` that packs
+        blocks [first, first + count) into `out` (a reused staging buffer), called chunk by chunk so
+        packing overlaps the wire.
+        """
+        if not keys:
+            return []
+        head_end = self.layout.num_kv_heads if head_end is None else head_end
+        node = self._node(node_id or self.pick_node())
+        private = list(private) or [False] * len(keys)
+        blocks = [pool_pb2.PutBlock(key=k, private=p) for k, p in zip(keys, private, strict=True)]
+        chunk_blocks = self._chunk_blocks(head_begin, head_end)
+        plan = chunk_plan(len(keys), chunk_blocks)
+
+        def chunk(i: int, first: int, count: int) -> torch.Tensor:
+            if isinstance(data, torch.Tensor):
+                return data[first : first + count]
+            out = node.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
+            data(first, count, out)
+            return out
+
+        with node.lock:
+            group = self._connect(node)
+            tag = self._tags(node, len(plan))
+            request = pool_pb2.PutRequest(
+                peer_id=self.peer_id,
+                tag=tag,
+                request_id=request_id,
+                blocks=blocks,
+                head_begin=head_begin,
+                head_end=head_end,
+                chunk_blocks=chunk_blocks,
+            )
+            reply = node.stub.Put.future(request, timeout=self.timeout_s)
+            try:
+                if isinstance(data, torch.Tensor):
+                    data = data.contiguous()
+                send_stream(group, 0, tag + 1, plan, chunk)
+                result = reply.result()
+            except (grpc.RpcError, RuntimeError) as err:
+                raise self._fail(node, err, f"put of {len(keys)} blocks") from err
+        return [from_proto(loc) if loc.generation else None for loc in result.locations]
+
+    def _chunk_blocks(self, head_begin: int, head_end: int) -> int:
+        per_block = self.layout.block_bytes * (head_end - head_begin) // self.layout.num_kv_heads
+        return max(1, CHUNK_BYTES // per_block)
+
+    @staticmethod
+    def _tags(node: _Node, messages: int) -> int:
+        """A base tag with room for the header and `messages` data messages after it."""
+        base = node.next_tag
+        node.next_tag = (base + messages + 2) % 2**30
+        return base
+
+    def get(
+        self,
+        request_id: str,
+        locations: Sequence[Location],
+        head_begin: int = 0,
+        head_end: int | None = None,
+    ) -> torch.Tensor:
+        """The leading still-valid blocks of `locations`, copied out: [n_served, L, 2, heads, bs, D]."""
+        parts: list[torch.Tensor] = []
+        self.get_into(request_id, locations, lambda _, data: parts.append(data.clone()), head_begin, head_end)
+        if not parts:
+            head_end = self.layout.num_kv_heads if head_end is None else head_end
+            shape = self.layout.slice_shape(0, head_begin, head_end)
+            return torch.empty(shape, dtype=self.layout.torch_dtype, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def get_into(
+        self,
+        request_id: str,
+        locations: Sequence[Location],
+        consume: Callable[[int, torch.Tensor], None],
+        head_begin: int = 0,
+        head_end: int | None = None,
+    ) -> int:
+        """Fetch the leading blocks of `locations` that are still valid; returns how many.
+
+        `consume(first_index, data)` is called once per transfer with a view of a reused receive
+        buffer ([n, L, 2, heads, bs, D]) that is only valid during the call: copy it where it belongs.
+        Consecutive blocks on one node move in one transfer; it stops at the first block a node no
+        longer holds (evicted, or metadata that went stale), so the caller recomputes from there.
+        """
+        head_end = self.layout.num_kv_heads if head_end is None else head_end
+        start = 0
+        while start < len(locations):
+            end = start
+            while end < len(locations) and locations[end].node_id == locations[start].node_id:
+                end += 1
+            served = self._get_run(request_id, locations[start:end], head_begin, head_end, start, consume)
+            start += served
+            if served < end - (start - served):
+                break
+        return start
+
+    def _get_run(self, request_id, run, head_begin, head_end, offset, consume) -> int:
+        node = self._node(run[0].node_id)
+        chunk_blocks = self._chunk_blocks(head_begin, head_end)
+        with node.lock:
+            group = self._connect(node)
+            tag = self._tags(node, len(chunk_plan(len(run), chunk_blocks)))
+            request = pool_pb2.GetRequest(
+                peer_id=self.peer_id,
+                tag=tag,
+                request_id=request_id,
+                blocks=[to_proto(x) for x in run],
+                head_begin=head_begin,
+                head_end=head_end,
+                chunk_blocks=chunk_blocks,
+            )
+            reply = node.stub.Get.future(request, timeout=self.timeout_s)
+            try:
+                header = torch.zeros(1, dtype=torch.int64, device=self.device)
+                recv(group, header, 0, tag)
+                n = int(header.item())
+
+                def dest(i: int, first: int, count: int) -> torch.Tensor:
+                    return node.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
+
+                def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
+                    consume(offset + first, data)
+
+                recv_stream(group, 0, tag + 1, chunk_plan(n, chunk_blocks), dest, land)
+                reply.result()
+            except (grpc.RpcError, RuntimeError) as err:
+                raise self._fail(node, err, f"get of {len(run)} blocks") from err
+        return n
+
+    # -- control --------------------------------------------------------------------------------------
+    def lookup_prefix(self, keys: Sequence[bytes]) -> list[Location]:
+        return self.meta.lookup_prefix(keys)
+
+    def release(self, request_id: str) -> int:
+        """Drop a request's private blocks and leases on every known node."""
+        released = 0
+        for node_id in self.refresh():
+            try:
+                node = self._node(node_id)
+                released += node.stub.Release(
+                    pool_pb2.ReleaseRequest(request_id=request_id), timeout=5
+                ).released
+            except (grpc.RpcError, PoolError) as err:
+                log.warning("release of %s on %s failed: %s", request_id, node_id, err)
+        return released
+
+    def stats(self) -> dict[str, pool_pb2.PoolStats]:
+        out = {}
+        for node_id in self.refresh():
+            out[node_id] = self._node(node_id).stub.GetStats(pool_pb2.PoolStatsRequest(), timeout=5)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            nodes, self.nodes = list(self.nodes.values()), {}
+        for node in nodes:
+            node.channel.close()
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def wait_for_nodes(client: PoolClient, count: int, timeout_s: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = client.refresh()
+        if len(nodes) >= count or time.monotonic() > deadline:
+            return nodes
+        time.sleep(0.1)

@@ -1,0 +1,195 @@
+"""Block data transport: torch.distributed point-to-point over pair groups made on demand.
+
+A pair group is a two-rank process group between one client process (rank 1) and one pool node
+(rank 0), rendezvousing through the node's TCPStore under a fresh prefix. There is no global world: a
+process holds one pair group per peer, made the first time it talks to that peer and reused after.
+Backend: NCCL when both ends keep their blocks on CUDA, gloo otherwise. Only raw tensors travel here;
+the control messages (which blocks, which slots) are protobuf on gRPC.
+
+Canonical block layout (the pool object, independent of TP): [L, 2 (K/V), H_kv, block_size, D] in the
+model dtype. A transfer carries n blocks of a KV-head slice: [n, L, 2, heads, block_size, D].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.torch_dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def slice_shape(self, num_blocks: int, head_begin: int, head_end: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, head_end - head_begin, self.block_size, self.head_dim)
+
+    def check_heads(self, head_begin: int, head_end: int) -> None:
+        if not 0 <= head_begin < head_end <= self.num_kv_heads:
+            raise ValueError(f"KV-head slice [{head_begin}, {head_end}) outside [0, {self.num_kv_heads})")
+
+    def to_list(self) -> list:
+        return [self.num_layers, self.num_kv_heads, self.block_size, self.head_dim, self.dtype]
+
+    @classmethod
+    def from_list(cls, values: list) -> BlockLayout:
+        layers, heads, bs, dim, dtype = values
+        return cls(int(layers), int(heads), int(bs), int(dim), str(dtype))
+
+
+def make_pair_group(
+    store: dist.Store, name: str, rank: int, backend: str, host: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """Join the two-rank group `name` on `store` as `rank` (blocks until the peer joins too)."""
+    prefix = dist.PrefixStore(f"kvferry/pair/{name}/", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
+    if backend != "gloo":
+        raise ValueError(f"unknown transfer backend {backend!r}")
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefix, rank, 2, opts)
+
+
+CHUNK_BYTES = 8 * 2**20  # one transfer moves in messages of about this size, pipelined
+
+
+def chunk_plan(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """(first block, count) of each message of a transfer."""
+    return [(i, min(chunk_blocks, num_blocks - i)) for i in range(0, num_blocks, chunk_blocks)]
+
+
+def send_stream(group, peer: int, base_tag: int, plan, chunk) -> None:
+    """Send the chunks of `plan`; `chunk(i, first, count)` returns the tensor for message i.
+
+    Sends are asynchronous, so `chunk(i + 1)` (packing, gathering) overlaps message i on the wire. A
+    caller that packs into staging may alternate two buffers by i % 2: message i - 2 has completed
+    before `chunk(i)` is called.
+    """
+    works = []
+    for i, (first, count) in enumerate(plan):
+        if i >= 2:
+            works[i - 2].wait()
+        works.append(group.send([chunk(i, first, count)], peer, base_tag + i))
+    for work in works[-2:]:
+        work.wait()
+
+
+def recv_stream(group, peer: int, base_tag: int, plan, dest, consume=None) -> None:
+    """Receive the chunks of `plan` into `dest(i, first, count)`; then `consume(i, first, count, t)`.
+
+    The receive of message i + 1 is posted before message i is consumed, so copying out overlaps the
+    wire; `dest` may alternate two staging buffers by i % 2.
+    """
+    if not plan:
+        return
+    bufs = [dest(0, *plan[0])]
+    works = [group.recv([bufs[0]], peer, base_tag)]
+    for i, (first, count) in enumerate(plan):
+        if i + 1 < len(plan):
+            bufs.append(dest(i + 1, *plan[i + 1]))
+            works.append(group.recv([bufs[i + 1]], peer, base_tag + i + 1))
+        works[i].wait()
+        if consume is not None:
+            consume(i, first, count, bufs[i])
+
+
+def send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    group.send([tensor], peer, tag).wait()
+
+
+def recv(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    group.recv([tensor], peer, tag).wait()
+
+
+def runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of `ids` as (position in ids, first id, length): [3,4,5,9] -> [(0,3,3), (3,9,1)]."""
+    out: list[tuple[int, int, int]] = []
+    for pos, i in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == i:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, i, 1))
+    return out
+
+
+def pack_blocks(
+    cache: torch.Tensor,
+    block_ids: list[int],
+    head_begin: int = 0,
+    head_end: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged cache [L, 2, H, num_blocks, bs, D] -> contiguous [n, L, 2, heads, bs, D] (one copy per run)."""
+    head_end = cache.shape[2] if head_end is None else head_end
+    heads = cache[:, :, head_begin:head_end]
+    if out is None:
+        out = torch.empty(
+            (len(block_ids), cache.shape[0], 2, head_end - head_begin, *cache.shape[4:]),
+            dtype=cache.dtype,
+            device=cache.device,
+        )
+    for pos, first, length in runs(block_ids):
+        out[pos : pos + length].copy_(heads[:, :, :, first : first + length].permute(3, 0, 1, 2, 4, 5))
+    return out
+
+
+def unpack_blocks(cache: torch.Tensor, block_ids: list[int], data: torch.Tensor, head_begin: int = 0) -> None:
+    """Write [n, L, 2, heads, bs, D] into the paged cache's blocks `block_ids` (one copy per run)."""
+    heads = cache[:, :, head_begin : head_begin + data.shape[3]]
+    for pos, first, length in runs(block_ids):
+        heads[:, :, :, first : first + length].copy_(data[pos : pos + length].permute(1, 2, 3, 0, 4, 5))
+
+
+class Staging:
+    """Two reusable transfer buffers (grown on demand, never shrunk): no page faults per transfer."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.bufs = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
+
+    def view(self, shape: tuple[int, ...], which: int = 0) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        which %= 2
+        if self.bufs[which].numel() < numel:
+            self.bufs[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return self.bufs[which][:numel].view(shape)

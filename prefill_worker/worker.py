@@ -1,0 +1,275 @@
+"""The prefill worker: the engine in prefill-only mode behind the PrefillWorker gRPC service.
+
+For each request: take the prompt's leading blocks from the worker's own prefix cache, pull the next
+ones the pool holds (their keys are registered in the local cache, so the scheduler simply sees a
+prefix hit), run chunked prefill over the rest, sample the first token, then copy the prompt's KV
+out of the paged cache and write the blocks the pool lacks (full blocks shared by key, the partial
+tail as the request's private block) on a transfer thread while the engine moves on. The answer is
+the first token and the location of every block. Nothing is kept per request after that.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvferry.convert import sampling_from_proto
+from kvferry.decode_worker.engine import LLMEngine
+from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
+from kvferry.kvpool.client import PoolClient, PoolError, to_proto
+from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    request: worker_pb2.PrefillRequest
+    arrived: float
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    req: Request | None = None
+    holder: list[int] = field(default_factory=list)  # pulled / local blocks pinned until admission
+    started: float = 0.0
+    pool_hit_blocks: int = 0
+
+
+class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
+        self.engine = engine
+        self.pool = pool
+        self.worker_id = worker_id
+        self.jobs: dict[str, Job] = {}
+        self.counters: Counter[str] = Counter()
+        self.loop = EngineLoop(engine, self._on_outputs)
+        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-put")
+        self._pending_puts: list[tuple[Job, dict]] = []
+        self._lock = threading.Lock()
+        engine.finish_hook = self._capture
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.loop.join(5)
+        self.transfers.shutdown(wait=True)
+
+    def load(self) -> dict:
+        sched = self.engine.scheduler
+        return {"inflight": len(self.jobs), "waiting": len(sched.waiting), "running": len(sched.running)}
+
+    # -- gRPC -----------------------------------------------------------------------------------------
+    def Prefill(self, request, context):
+        job = Job(request, time.perf_counter())
+        rid = request.request_id
+        context.add_callback(lambda: self.loop.submit(lambda: self._cancel(rid)))
+        self.loop.submit(lambda: self._start(job))
+        try:
+            return job.future.result()
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except concurrent.futures.CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
+        except PoolError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+
+    def GetWorkerInfo(self, request, context):
+        return worker_info(self.engine, "prefill", self.worker_id)
+
+    def GetStats(self, request, context):
+        done = concurrent.futures.Future()
+        self.loop.submit(lambda: done.set_result(self._stats()))
+        return done.result(timeout=30)
+
+    def _stats(self) -> worker_pb2.WorkerStats:
+        e, c = self.engine, self.counters
+        return worker_pb2.WorkerStats(
+            requests=c["requests"],
+            prompt_tokens_computed=c["prompt_tokens_computed"],
+            pool_hit_tokens=c["pool_hit_tokens"],
+            local_hit_tokens=c["local_hit_tokens"],
+            blocks_put=c["blocks_put"],
+            blocks_pulled=c["blocks_pulled"],
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            free_blocks=e.block_manager.num_free_blocks,
+            total_blocks=e.block_manager.num_blocks,
+            active_request_ids=sorted(self.jobs),
+            steps=e.num_steps,
+        )
+
+    # -- engine thread --------------------------------------------------------------------------------
+    def _start(self, job: Job) -> None:
+        request, e = job.request, self.engine
+        p = request.sampling
+        params = sampling_from_proto(p)
+        # one token here, whatever the request asks: EOS and stop rules are applied by the router
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            ignore_eos=True,
+        )
+        try:
+            if request.request_id in self.jobs:
+                raise InvalidRequestError(f"request_id {request.request_id!r} is already in prefill")
+            req = e.make_request(None, params, list(request.prompt_token_ids), request.request_id)
+        except InvalidRequestError as err:
+            job.future.set_exception(err)
+            return
+        job.req, job.started = req, time.perf_counter()
+        self.jobs[req.request_id] = job
+        try:
+            self._pull_prefix(job)
+        except PoolError as err:  # a pool outage costs recompute, never the request
+            log.warning("prefix pull for %s failed, computing it: %s", req.request_id, err)
+        e.submit(req)
+
+    def _pull_prefix(self, job: Job) -> None:
+        req, bm = job.req, self.engine.block_manager
+        bs = bm.block_size
+        usable = (req.num_prompt_tokens - 1) // bs  # leave one token to compute for the logits
+        if usable == 0 or not bm.enable_caching:
+            return
+        bm.update_keys(req)
+        keys = req.block_keys[:usable]
+        job.holder = bm.take_cached(keys)
+        rest = keys[len(job.holder) :]
+        locations = self.pool.lookup_prefix(rest) if rest else []
+        if not locations:
+            return
+        reserved = bm.reserve(len(locations))
+        if reserved is None:
+            return
+        cache = self.engine.runner.kv_cache
+
+        def land(first: int, data) -> None:
+            unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
+
+        n = self.pool.get_into(req.request_id, locations, land)
+        for block_id, key in zip(reserved[:n], rest, strict=False):
+            bm.register(block_id, key)
+        bm.release(reserved[n:])
+        job.holder += reserved[:n]
+        job.pool_hit_blocks = n
+        self.counters["blocks_pulled"] += n
+
+    def _on_outputs(self, outputs) -> None:
+        bm = self.engine.block_manager
+        for job in list(self.jobs.values()):
+            if job.holder and job.req.status != RequestStatus.WAITING:
+                bm.release(job.holder)
+                job.holder = []
+        for out in outputs:
+            if out.finished and out.finish_reason == "abort":
+                self._drop(out.request_id)
+        puts, self._pending_puts = self._pending_puts, []
+        for job, plan in puts:
+            self.transfers.submit(self._write_out, job, plan)
+
+    def _capture(self, req: Request) -> None:
+        """Finish hook: copy the prompt's KV out before the engine frees the blocks."""
+        job = self.jobs.get(req.request_id)
+        if job is None:
+            return
+        bs = self.engine.cfg.block_size
+        num_full = req.num_prompt_tokens // bs
+        self.engine.block_manager.update_keys(req)
+        full_keys = req.block_keys[:num_full]
+        locations = self.pool.meta.lookup(full_keys)  # blocks the pool already holds are not re-sent
+        write = [i for i in range(num_full) if locations[i] is None]
+        tail = req.num_prompt_tokens % bs > 0
+        if tail:
+            write.append(num_full)
+        keys = [full_keys[i] if i < num_full else os.urandom(16) for i in write]
+        private = [i == num_full for i in write]
+        data = pack_blocks(self.engine.runner.kv_cache, [req.block_ids[i] for i in write]) if write else None
+        cached = req.num_cached_tokens
+        pool_hits = min(job.pool_hit_blocks * bs, cached)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens_computed"] += req.num_prompt_tokens - cached
+        self.counters["pool_hit_tokens"] += pool_hits
+        self.counters["local_hit_tokens"] += cached - pool_hits
+        plan = {
+            "first_token": req.output_token_ids[-1],
+            "locations": locations + [None] * tail,
+            "write": write,
+            "keys": keys,
+            "private": private,
+            "data": data,
+            "cached": cached,
+            "computed": req.num_prompt_tokens - cached,
+            "prefill_done": time.perf_counter(),
+        }
+        self._pending_puts.append((job, plan))
+
+    def _write_out(self, job: Job, plan: dict) -> None:
+        req = job.req
+        locations = plan["locations"]
+        started = time.perf_counter()
+        if plan["write"]:
+            try:
+                stored = self.pool.put(req.request_id, plan["keys"], plan["data"], plan["private"])
+            except PoolError as err:
+                log.warning("writing KV of %s to the pool failed: %s", req.request_id, err)
+                stored = [None] * len(plan["write"])
+            for i, loc in zip(plan["write"], stored, strict=True):
+                locations[i] = loc
+            self.counters["blocks_put"] += sum(loc is not None for loc in stored)
+        prefix = []
+        for loc in locations:
+            if loc is None:
+                break
+            prefix.append(loc)
+        bs = self.engine.cfg.block_size
+        reply = worker_pb2.PrefillResponse(
+            first_token_id=plan["first_token"],
+            blocks=[to_proto(loc) for loc in prefix],
+            num_kv_tokens=min(len(prefix) * bs, req.num_prompt_tokens),
+            cached_tokens=plan["cached"],
+            computed_tokens=plan["computed"],
+            queue_ms=(job.started - job.arrived) * 1e3,
+            prefill_ms=(plan["prefill_done"] - job.started) * 1e3,
+            kv_put_ms=(time.perf_counter() - started) * 1e3,
+        )
+        self.loop.submit(lambda: self._drop(req.request_id))
+        try:
+            job.future.set_result(reply)
+        except concurrent.futures.InvalidStateError:  # cancelled meanwhile: free its private tail
+            self.pool.release(req.request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        job = self.jobs.get(request_id)
+        if job is None or job.future.done():
+            return
+        self.engine.abort(request_id)
+        self._drop(request_id)
+        job.future.cancel()
+
+    def _drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None and job.holder:
+            self.engine.block_manager.release(job.holder)
+            job.holder = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(
+        "prefill",
+        PrefillWorker,
+        lambda servicer, server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
+        worker_pb2.DESCRIPTOR,
+        argv,
+    )

@@ -1,0 +1,160 @@
+"""The router's view of the cluster: live workers and pool nodes from the Redis registry.
+
+Refreshed every `refresh_s`. A member whose registry record is gone for longer than `grace_s` (its
+heartbeat TTL ran out: the process died or hangs) is dropped; a Redis outage keeps the last known set
+(an outage must not stop serving). A worker that fails an RPC with UNAVAILABLE is skipped until it
+beats again. Every worker must agree on the model fingerprint, block size and max length; one that
+does not is refused (logged), never routed to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.rpc import CHANNEL_OPTIONS
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Member:
+    role: str
+    member_id: str
+    addr: str
+    channel: grpc.aio.Channel
+    stub: object
+    info: worker_pb2.WorkerInfo | None = None
+    inflight: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    suspect_until: float = 0.0
+
+
+class Directory:
+    def __init__(self, meta: MetadataStore, refresh_s: float = 0.5, grace_s: float = 5.0):
+        self.meta = meta
+        self.refresh_s = refresh_s
+        self.grace_s = grace_s
+        self.members: dict[str, dict[str, Member]] = {role: {} for role in ROLES}
+        self.pool_nodes: dict[str, float] = {}  # node id -> last seen
+        self.model: worker_pb2.WorkerInfo | None = None
+        self._rr = {role: itertools.count() for role in ROLES}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for role in ROLES:
+            for m in self.members[role].values():
+                await m.channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("registry refresh failed")
+
+    async def refresh(self) -> None:
+        now = time.monotonic()
+        for role in ROLES:
+            records = await asyncio.to_thread(self.meta.members, role)
+            if records is None:
+                continue  # Redis unreachable: keep what we know
+            current = self.members[role]
+            for member_id, record in records.items():
+                member = current.get(member_id)
+                if member is None or member.addr != record["addr"]:
+                    member = await self._add(role, member_id, record["addr"])
+                    if member is None:
+                        continue
+                member.last_seen = now
+            for member_id, member in list(current.items()):
+                if now - member.last_seen > self.grace_s:
+                    log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
+                    del current[member_id]
+                    await member.channel.close()
+        nodes = await asyncio.to_thread(self.meta.members, "pool")
+        if nodes is not None:
+            for node_id in nodes:
+                self.pool_nodes[node_id] = now
+            for node_id, seen in list(self.pool_nodes.items()):
+                if now - seen > self.grace_s:
+                    del self.pool_nodes[node_id]
+
+    async def _add(self, role: str, member_id: str, addr: str) -> Member | None:
+        channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        stub_cls = (
+            worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        )
+        stub = stub_cls(channel)
+        try:
+            info = await stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=5)
+        except grpc.RpcError as err:
+            log.warning("%s worker %s at %s did not answer: %s", role, member_id, addr, err)
+            await channel.close()
+            return None
+        if self.model is None:
+            self.model = info
+        elif (info.fingerprint, info.block_size, info.max_model_len) != (
+            self.model.fingerprint,
+            self.model.block_size,
+            self.model.max_model_len,
+        ):
+            log.error(
+                "%s worker %s serves model %s (fingerprint %s, block %d, max len %d), the cluster serves "
+                "%s (fingerprint %s, block %d, max len %d): refused",
+                role,
+                member_id,
+                info.model,
+                info.fingerprint,
+                info.block_size,
+                info.max_model_len,
+                self.model.model,
+                self.model.fingerprint,
+                self.model.block_size,
+                self.model.max_model_len,
+            )
+            await channel.close()
+            return None
+        member = Member(role, member_id, addr, channel, stub, info)
+        old = self.members[role].pop(member_id, None)
+        if old is not None:
+            await old.channel.close()
+        self.members[role][member_id] = member
+        log.info("%s worker %s joined at %s", role, member_id, addr)
+        return member
+
+    def pick(self, role: str) -> Member | None:
+        """The least-loaded live worker of a role (round-robin among equals)."""
+        now = time.monotonic()
+        live = [m for m in self.members[role].values() if m.suspect_until <= now]
+        if not live:
+            return None
+        low = min(m.inflight for m in live)
+        candidates = sorted((m for m in live if m.inflight == low), key=lambda m: m.member_id)
+        return candidates[next(self._rr[role]) % len(candidates)]
+
+    def suspect(self, member: Member, seconds: float) -> None:
+        member.suspect_until = time.monotonic() + seconds
+
+    def count(self, role: str) -> int:
+        return len(self.members[role])
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.members["prefill"] and self.members["decode"] and self.pool_nodes)

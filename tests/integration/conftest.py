@@ -1,0 +1,92 @@
+"""Integration fixtures: a real redis-server on a free port, and a real local cluster of processes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster, free_port
+
+ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "max_num_batched_tokens": 512}
+
+
+class RedisServer:
+    """One redis-server process on a fixed port; restartable (same port) to simulate an outage."""
+
+    def __init__(self, port: int, workdir: Path):
+        self.port = port
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (apt-get install redis-server)")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model_dir, tmp_path_factory, request):
+    """redis (the session's) + 1 pool node + 2 prefill workers + 1 decode worker + router, float32."""
+    cfg = ClusterConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        namespace=f"test-{request.module.__name__.rsplit('.', 1)[-1]}",
+        redis_url=redis_server.url,
+        router=RouterSettings(port=0),
+        pool=PoolSettings(nodes=1, memory_gib=0.25),
+        prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
+        decode=WorkerGroupSettings(replicas=1, engine=ENGINE),
+    )
+    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("cluster-logs"), quiet=True) as c:
+        yield c

@@ -1,0 +1,301 @@
+"""The disaggregated path end to end: real processes, real gRPC, real Redis, real gloo transfers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+from kvferry.decode_worker.request import SamplingParams
+from kvferry.kvpool.keys import block_keys
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import Client, build_request
+from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+BLOCK = 16
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Members:
+    """gRPC stubs of the cluster's workers and pool nodes, found in its Redis registry."""
+
+    def __init__(self, cluster):
+        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+        self.channels = []
+        self.prefill = self._stubs(meta, "prefill", worker_pb2_grpc.PrefillWorkerStub)
+        self.decode = self._stubs(meta, "decode", worker_pb2_grpc.DecodeWorkerStub)
+        self.pool = self._stubs(meta, "pool", pool_pb2_grpc.KVPoolStub)
+
+    def _stubs(self, meta, role, cls):
+        members = wait_for(lambda: meta.members(role), what=f"{role} registry")
+        out = {}
+        for member_id, info in sorted(members.items()):
+            channel = grpc.insecure_channel(info["addr"])
+            self.channels.append(channel)
+            out[member_id] = cls(channel)
+        return out
+
+    def stats(self, role):
+        stubs = getattr(self, role)
+        request = pool_pb2.PoolStatsRequest() if role == "pool" else worker_pb2.WorkerStatsRequest()
+        return {k: s.GetStats(request, timeout=10) for k, s in stubs.items()}
+
+    def close(self):
+        for channel in self.channels:
+            channel.close()
+
+
+@pytest.fixture(scope="module")
+def members(cluster):
+    m = Members(cluster)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_addr) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=1024, num_kv_blocks=512)
+    )
+
+
+def offline(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for out in engine.stream(params=params, prompt_token_ids=prompt_ids):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def greedy(ids, max_tokens=NEW_TOKENS, **kw):
+    return build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_released(members, request_ids):
+    """No worker or pool node holds anything for these requests, and no KV block is leaked."""
+
+    def clean():
+        decode = members.stats("decode")
+        pool = members.stats("pool")
+        for s in decode.values():
+            if set(s.active_request_ids) & set(request_ids) or s.free_blocks != s.total_blocks:
+                return False
+        return all(not (set(p.leases) & set(request_ids)) and p.private_blocks == 0 for p in pool.values())
+
+    wait_for(clean, 30, "workers and pool to release the requests")
+
+
+def test_greedy_matches_engine_and_transformers(client, engine, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompts = [random_prompt(s, n) for s, n in enumerate((5, 16, 17, 31, 32, 48, 70, 9))]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for ids in prompts:
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+        got = client.generate(greedy(ids), timeout=60)
+        assert got.finished.finish_reason == "length"
+        assert got.finished.output_tokens == NEW_TOKENS
+        assert got.token_ids == ref, f"cluster != transformers for a {len(ids)}-token prompt"
+        assert offline(engine, ids) == ref, f"engine != transformers for a {len(ids)}-token prompt"
+
+
+def test_text_prompt_streams_text(client, engine):
+    got = client.generate(build_request("def fibonacci(n):", max_tokens=12, temperature=0.0), timeout=60)
+    ref = engine.generate([{"prompt": "def fibonacci(n):"}], SamplingParams(max_tokens=12, temperature=0.0))[
+        0
+    ]
+    assert got.token_ids == ref.output_token_ids
+    assert got.text == ref.text
+    assert got.messages >= 2  # the first token arrives on its own, from the prefill worker
+    t = got.finished.timings
+    assert t.ttft_ms > 0 and t.prefill_ms > 0 and t.e2e_ms >= t.ttft_ms
+
+
+def test_sixteen_concurrent_streams(client, members):
+    lengths = [8 + 3 * i for i in range(16)]
+
+    def one(i):
+        return client.generate(greedy(random_prompt(100 + i, 10 + 7 * i), max_tokens=lengths[i]), timeout=120)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for i, r in enumerate(results):
+        assert r.finished.finish_reason == "length"
+        assert r.finished.output_tokens == lengths[i] == len(r.token_ids)
+    assert len({r.request_id for r in results}) == 16
+    assert_released(members, [r.request_id for r in results])
+
+
+def test_shared_prefix_pulled_from_pool(client, members, engine):
+    shared = random_prompt(7, 3 * BLOCK)
+    first = shared + random_prompt(8, 10)
+    second = shared + random_prompt(9, 13)
+    client.generate(greedy(first), timeout=60)
+    before = members.stats("prefill")
+    got = client.generate(greedy(second), timeout=60)
+    after = members.stats("prefill")
+    delta = {
+        k: (
+            after[k].pool_hit_tokens - before[k].pool_hit_tokens,
+            after[k].prompt_tokens_computed - before[k].prompt_tokens_computed,
+        )
+        for k in after
+    }
+    # the second request went to the other prefill worker (least loaded, round robin), which has
+    # never seen the prefix: it pulled 3 blocks from the pool and computed only the rest
+    assert sorted(delta.values()) == [(0, 0), (3 * BLOCK, len(second) - 3 * BLOCK)], delta
+    assert got.finished.cached_tokens == 3 * BLOCK
+    assert got.token_ids == offline(engine, second)
+
+
+def test_abort_and_cancel_release_everything(client, members):
+    # Abort RPC mid-stream
+    stream = client.stream(greedy(random_prompt(20, 40), max_tokens=900, request_id="abort-me"), timeout=120)
+    first = next(stream)
+    assert first.request_id == "abort-me"
+    next(stream)
+    client.abort("abort-me")
+    rest = list(stream)
+    assert rest and rest[-1].finished.finish_reason == "abort"
+    assert rest[-1].finished.output_tokens < 900
+    # client cancel mid-stream
+    call = client.stream(greedy(random_prompt(21, 40), max_tokens=900, request_id="cancel-me"), timeout=120)
+    next(call)
+    next(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    # deadline expiry
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(greedy(random_prompt(22, 40), max_tokens=900, request_id="deadline-me"), timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_released(members, ["abort-me", "cancel-me", "deadline-me"])
+    # and the cluster still serves
+    assert (
+        client.generate(greedy(random_prompt(23, 20), max_tokens=4), timeout=60).finished.output_tokens == 4
+    )
+
+
+BAD_REQUESTS = [
+    (build_request(max_tokens=4), "prompt"),
+    (build_request("", max_tokens=4), "prompt.text"),
+    (build_request(prompt_token_ids=[], max_tokens=4), "prompt.token_ids"),
+    (build_request(prompt_token_ids=[1, 8192], max_tokens=4), "prompt.token_ids"),
+    (build_request(prompt_token_ids=[5] * 1024, max_tokens=4), "max_model_len"),
+    (build_request("hi", max_tokens=0), "max_tokens"),
+    (build_request("hi", max_tokens=-3), "max_tokens"),
+    (build_request("hi", max_tokens=5000), "max_tokens"),
+    (build_request("hi", temperature=-0.5), "temperature"),
+    (build_request("hi", temperature=float("nan")), "temperature"),
+    (build_request("hi", top_p=0.0), "top_p"),
+    (build_request("hi", top_p=1.5), "top_p"),
+    (build_request("hi", top_k=-1), "top_k"),
+    (build_request("hi", stop=[""]), "stop"),
+    (build_request("hi", stop_token_ids=[9000]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("request_", "field"), BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+def test_invalid_argument(client, request_, field):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(request_, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    ok = client.generate(build_request("hello", max_tokens=3, temperature=0.0, ignore_eos=True), timeout=60)
+    assert ok.finished.output_tokens == 3
+
+
+def test_abort_unknown_and_duplicate_ids(client, members):
+    with pytest.raises(grpc.RpcError) as err:
+        client.abort("no-such-request")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in err.value.details()
+    stream = client.stream(greedy(random_prompt(30, 20), max_tokens=900, request_id="dup"), timeout=120)
+    next(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(greedy([1, 2, 3], request_id="dup"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in err.value.details()
+    client.abort("dup")
+    assert list(stream)[-1].finished.finish_reason == "abort"
+    assert_released(members, ["dup"])
+
+
+def test_model_info_and_health(client, cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    info = client.model_info()
+    assert (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes) == (2, 1, 1)
+    assert info.block_size == BLOCK and info.max_model_len == 1024 and info.vocab_size == 8192
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
+
+
+def test_redis_restart_mid_run(client, engine, redis_server, cluster):
+    prompt = random_prompt(40, 50)
+    expected = offline(engine, prompt)
+    assert client.generate(greedy(prompt), timeout=60).token_ids == expected
+    redis_server.stop()
+    # while Redis is down: lookups miss, publishing is skipped, requests still succeed
+    during = client.generate(greedy(prompt), timeout=60)
+    assert during.token_ids == expected
+    redis_server.start()  # empty: every block key is gone
+    results = []
+
+    def later():
+        results.append(client.generate(greedy(prompt), timeout=60))
+
+    threads = [threading.Thread(target=later) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 3
+    assert all(r.token_ids == expected for r in results)
+    # the cluster re-registers itself in the new Redis within a heartbeat or two
+    meta = MetadataStore(redis_server.url, cluster.cfg.namespace)
+    wait_for(lambda: meta.members("pool") and meta.members("decode"), 15, "re-registration in the new Redis")
+    # and the pool publishes again: the prompt's full blocks are findable by key
+    fingerprint = bytes.fromhex(client.model_info().fingerprint)
+    keys = block_keys(prompt, BLOCK, fingerprint)
+    assert len(meta.lookup_prefix(keys)) == len(prompt) // BLOCK

@@ -1,0 +1,131 @@
+"""A real pool node process with real Redis: puts, gets, leases, eviction, TP slices, Redis outages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvferry.kvpool.client import PoolClient, wait_for_nodes
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.transfer import BlockLayout
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = BlockLayout(2, 4, 16, 8, "float32")
+SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def pool(redis_server, tmp_path_factory):
+    log = (tmp_path_factory.mktemp("pool") / "pool.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.kvpool",
+            "--node-id",
+            "n0",
+            "--redis-url",
+            redis_server.url,
+            "--namespace",
+            "pooltest",
+            "--layout",
+            ",".join(map(str, LAYOUT.to_list())),
+            "--num-slots",
+            str(SLOTS),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    client = PoolClient(MetadataStore(redis_server.url, "pooltest"), LAYOUT, peer_id="tester")
+    assert wait_for_nodes(client, 1, 60), "the pool node did not register"
+    yield client
+    client.close()
+    proc.terminate()
+    assert proc.wait(20) == 0
+
+
+def blocks(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, *LAYOUT.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def key(i: int, tag: int = 0) -> bytes:
+    return bytes([tag]) + i.to_bytes(15, "little")
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def stats(client):
+    return next(iter(client.stats().values()))
+
+
+def test_put_then_get_round_trip_and_prefix_lookup(pool):
+    data = blocks(3, 1)
+    keys = [key(i, 1) for i in range(3)]
+    locations = pool.put("r1", keys, data)
+    assert all(loc is not None for loc in locations)
+    wait_for(lambda: len(pool.lookup_prefix(keys)) == 3)  # published after the data landed
+    assert len(pool.lookup_prefix([keys[0], key(99, 1), keys[2]])) == 1  # stops at the first miss
+    assert torch.equal(pool.get("r2", locations), data)
+    assert stats(pool).leases == {}
+    # a second put of the same keys stores nothing new and answers the existing locations
+    again = pool.put("r3", keys, data)
+    assert [(x.slot, x.generation) for x in again] == [(x.slot, x.generation) for x in locations]
+
+
+def test_private_tail_is_freed_after_its_get_or_release(pool):
+    tail = blocks(1, 2)
+    (loc,) = pool.put("tail-req", [key(0, 2)], tail, private=[True])
+    assert pool.lookup_prefix([key(0, 2)]) == []  # never published
+    assert stats(pool).private_blocks == 1
+    assert torch.equal(pool.get("tail-req", [loc]), tail)
+    assert stats(pool).private_blocks == 0
+    assert pool.get("tail-req", [loc]).shape[0] == 0  # gone
+    pool.put("other", [key(1, 2)], tail, private=[True])
+    assert pool.release("other") == 1
+    assert stats(pool).private_blocks == 0
+
+
+def test_tp_slices_publish_only_when_every_head_arrived(pool):
+    data = blocks(1, 3)
+    keys = [key(0, 3)]
+    pool.put("tp", keys, data[:, :, :, :2].contiguous(), head_begin=0, head_end=2)
+    time.sleep(0.3)  # give the publisher time it would need, to show it does not publish
+    assert pool.lookup_prefix(keys) == []
+    (loc,) = pool.put("tp", keys, data[:, :, :, 2:].contiguous(), head_begin=2, head_end=4)
+    wait_for(lambda: len(pool.lookup_prefix(keys)) == 1)
+    assert torch.equal(pool.get("tp-read", [loc]), data)
+    assert torch.equal(pool.get("tp-read", [loc], head_begin=1, head_end=3), data[:, :, :, 1:3])
+
+
+def test_eviction_makes_stale_locations_misses(pool):
+    first = pool.put("e1", [key(0, 4)], blocks(1, 4))
+    wait_for(lambda: len(pool.lookup_prefix([key(0, 4)])) == 1)
+    before = stats(pool).evictions
+    fill = [key(i, 5) for i in range(SLOTS)]
+    pool.put("e2", fill, blocks(SLOTS, 5))  # more than the free slots: LRU blocks are evicted
+    assert stats(pool).evictions > before
+    assert pool.get("e3", first).shape[0] == 0  # the slot was reused: refused, never wrong data
+    assert stats(pool).stale_gets >= 1
+    wait_for(lambda: pool.lookup_prefix([key(0, 4)]) == [])  # and its metadata was removed
+
+
+def test_redis_outage_means_misses_not_errors(pool, redis_server):
+    data = blocks(2, 6)
+    redis_server.stop()
+    try:
+        locations = pool.put("o1", [key(0, 6), key(1, 6)], data)  # known node, no metadata writes
+        assert pool.lookup_prefix([key(0, 6)]) == []
+        assert torch.equal(pool.get("o2", locations), data)  # locations from the put still work
+    finally:
+        redis_server.start()
+    wait_for(lambda: pool.refresh() != {} and "n0" in pool.meta.members("pool"), 15)

@@ -1,0 +1,82 @@
+"""`kvferry up` as a user runs it: ready line, a request, SIGTERM, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvferry.router.client import Client, build_request
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - out
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cli",
+            "up",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while not any("ready" in line for line in lines):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no ready line"
+        time.sleep(0.1)
+    addr = next(line for line in lines if "ready" in line).split("router at ")[1].split()[0]
+    children = descendants(proc.pid)
+    assert len(children) >= 5  # redis, pool node, prefill, decode, router
+    with Client(addr) as client:
+        got = client.generate(build_request("def fibonacci(n):", max_tokens=8, temperature=0.0), timeout=60)
+    assert got.finished.output_tokens == 8
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "processes left behind"
+    assert os.listdir(tmp_path / "logs")  # each component logged
