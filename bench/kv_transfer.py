@@ -153,18 +153,21 @@ def main() -> None:
         bar = tqdm(total=args.repeats * 2 * batches, desc="transfers", unit="batch", file=sys.stderr)
         for rep in range(args.repeats):
             keys = [bytes([rep]) + i.to_bytes(15, "little") for i in ids]
-            locations = []
+            pending = []
             t = time.perf_counter()
-            for b in range(batches):
+            for b in range(batches):  # puts are pipelined: the next starts while a reply is in flight
                 chunk = ids[b * args.batch_blocks : (b + 1) * args.batch_blocks]
-                locations += prefill.put(
-                    f"put-{rep}",
-                    [keys[i] for i in chunk],
-                    lambda first, count, out, chunk=chunk: pack_blocks(
-                        src_cache, chunk[first : first + count], out=out
-                    ),
+                pending.append(
+                    prefill.put_async(
+                        f"put-{rep}",
+                        [keys[i] for i in chunk],
+                        lambda first, count, out, chunk=chunk: pack_blocks(
+                            src_cache, chunk[first : first + count], out=out
+                        ),
+                    )
                 )
                 bar.update()
+            locations = [loc for p in pending for loc in p.result()]
             put_best = max(put_best, total / (time.perf_counter() - t) / 1e9)
             assert all(loc is not None for loc in locations), "the pool refused blocks"
             t = time.perf_counter()

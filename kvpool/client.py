@@ -8,7 +8,9 @@ pair group are ordered by a lock and told apart by tags).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -27,6 +29,7 @@ from kvferry.kvpool.transfer import (
     Staging,
     chunk_plan,
     make_pair_group,
+    next_tag,
     recv,
     recv_stream,
     send_stream,
@@ -54,6 +57,10 @@ class _Node:
     group: dist.ProcessGroup | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_tag: int = 1
+    # the data plane: one thread per node runs the transfers in tag order (the order the node expects),
+    # so a caller can issue the next transfer's RPC while earlier ones are still on the wire
+    jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    worker: threading.Thread | None = None
 
 
 def to_proto(loc: Location) -> pool_pb2.BlockLocation:
@@ -151,15 +158,20 @@ class PoolClient:
         except (grpc.RpcError, RuntimeError) as err:
             reply.cancel()
             raise PoolError(f"cannot connect to pool node {node.node_id}: {err}") from err
-        node.group = group
+        node.group, node.next_tag = group, 1
         return group
 
     def _fail(self, node: _Node, err: Exception, what: str) -> PoolError:
         node.group = None  # a failed transfer leaves the pair in an unknown state: make a new one
+        node.next_tag = 1
         return PoolError(f"{what} on pool node {node.node_id} failed: {err}")
 
     # -- data -----------------------------------------------------------------------------------------
-    def put(
+    def put(self, *args, **kwargs) -> list[Location | None]:
+        """`put_async(...).result()`."""
+        return self.put_async(*args, **kwargs).result()
+
+    def put_async(
         self,
         request_id: str,
         keys: Sequence[bytes],
@@ -168,16 +180,23 @@ class PoolClient:
         node_id: str | None = None,
         head_begin: int = 0,
         head_end: int | None = None,
-    ) -> list[Location | None]:
-        """Store blocks under `keys`; the location of each (None = the pool could not store it).
+    ) -> concurrent.futures.Future:
+        """Store blocks under `keys`; a future of the location of each (None = not stored: pool full).
+
+        Returns once the data is sent: the node's reply (the locations) completes the future later,
+        so the next transfer to the node can start meanwhile (the node runs a peer's transfers in tag
+        order, so they cannot cross).
 
         `data` is either the packed blocks [n, L, 2, heads, bs, D], or `fill(first, count, out)` that packs
         blocks [first, first + count) into `out` (a reused staging buffer), called chunk by chunk so
         packing overlaps the wire.
         """
+        done: concurrent.futures.Future = concurrent.futures.Future()
         if not keys:
-            return []
+            done.set_result([])
+            return done
         head_end = self.layout.num_kv_heads if head_end is None else head_end
+        self.layout.check_heads(head_begin, head_end)
         node = self._node(node_id or self.pick_node())
         private = list(private) or [False] * len(keys)
         blocks = [pool_pb2.PutBlock(key=k, private=p) for k, p in zip(keys, private, strict=True)]
@@ -194,6 +213,8 @@ class PoolClient:
         with node.lock:
             group = self._connect(node)
             tag = self._tags(node, len(plan))
+            if isinstance(data, torch.Tensor):
+                data = data.contiguous()
             request = pool_pb2.PutRequest(
                 peer_id=self.peer_id,
                 tag=tag,
@@ -204,14 +225,40 @@ class PoolClient:
                 chunk_blocks=chunk_blocks,
             )
             reply = node.stub.Put.future(request, timeout=self.timeout_s)
+            sent = self._submit(node, lambda: send_stream(group, 0, tag + 1, plan, chunk))
+
+        def after_send(job) -> None:
+            err = job.exception()
+            if err is None:
+                reply.add_done_callback(finish)
+                return
+            reply.cancel()
+            with node.lock:
+                done.set_exception(self._fail(node, err, f"put of {len(keys)} blocks"))
+
+        def finish(call) -> None:
             try:
-                if isinstance(data, torch.Tensor):
-                    data = data.contiguous()
-                send_stream(group, 0, tag + 1, plan, chunk)
-                result = reply.result()
-            except (grpc.RpcError, RuntimeError) as err:
-                raise self._fail(node, err, f"put of {len(keys)} blocks") from err
-        return [from_proto(loc) if loc.generation else None for loc in result.locations]
+                result = call.result()
+            except grpc.RpcError as err:
+                with node.lock:
+                    failure = self._fail(node, err, f"put of {len(keys)} blocks")
+                done.set_exception(failure)
+                return
+            done.set_result([from_proto(loc) if loc.generation else None for loc in result.locations])
+
+        sent.add_done_callback(after_send)
+        return done
+
+    def _submit(self, node: _Node, job: Callable[[], object]) -> concurrent.futures.Future:
+        """Queue a transfer on the node's data-plane thread (caller holds node.lock)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        node.jobs.put((job, future))
+        if node.worker is None:
+            node.worker = threading.Thread(
+                target=_run_jobs, args=(node.jobs,), name=f"kv-{node.node_id}", daemon=True
+            )
+            node.worker.start()
+        return future
 
     def _chunk_blocks(self, head_begin: int, head_end: int) -> int:
         per_block = self.layout.block_bytes * (head_end - head_begin) // self.layout.num_kv_heads
@@ -221,7 +268,7 @@ class PoolClient:
     def _tags(node: _Node, messages: int) -> int:
         """A base tag with room for the header and `messages` data messages after it."""
         base = node.next_tag
-        node.next_tag = (base + messages + 2) % 2**30
+        node.next_tag = next_tag(base, messages)
         return base
 
     def get(
@@ -256,6 +303,7 @@ class PoolClient:
         longer holds (evicted, or metadata that went stale), so the caller recomputes from there.
         """
         head_end = self.layout.num_kv_heads if head_end is None else head_end
+        self.layout.check_heads(head_begin, head_end)
         start = 0
         while start < len(locations):
             end = start
@@ -283,7 +331,8 @@ class PoolClient:
                 chunk_blocks=chunk_blocks,
             )
             reply = node.stub.Get.future(request, timeout=self.timeout_s)
-            try:
+
+            def receive() -> int:
                 header = torch.zeros(1, dtype=torch.int64, device=self.device)
                 recv(group, header, 0, tag)
                 n = int(header.item())
@@ -295,9 +344,19 @@ class PoolClient:
                     consume(offset + first, data)
 
                 recv_stream(group, 0, tag + 1, chunk_plan(n, chunk_blocks), dest, land)
-                reply.result()
-            except (grpc.RpcError, RuntimeError) as err:
+                return n
+
+            received = self._submit(node, receive)
+        try:
+            n = received.result()
+        except RuntimeError as err:
+            reply.cancel()
+            with node.lock:
                 raise self._fail(node, err, f"get of {len(run)} blocks") from err
+        # the data is here; the reply only confirms it, so nobody waits for it
+        reply.add_done_callback(
+            lambda call: call.exception() and log.warning("get reply: %s", call.exception())
+        )
         return n
 
     # -- control --------------------------------------------------------------------------------------
@@ -327,7 +386,19 @@ class PoolClient:
         with self._lock:
             nodes, self.nodes = list(self.nodes.values()), {}
         for node in nodes:
+            node.jobs.put((None, None))
             node.channel.close()
+
+
+def _run_jobs(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job, future = jobs.get()
+        if job is None:
+            return
+        try:
+            future.set_result(job())
+        except Exception as err:
+            future.set_exception(err)
 
 
 def _td(seconds: float):

@@ -11,6 +11,7 @@ unleased slots. Private blocks are freed after their first get, on Release, or a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import logging
 import queue
@@ -31,6 +32,7 @@ from kvferry.kvpool.transfer import (
     Staging,
     chunk_plan,
     make_pair_group,
+    next_tag,
     recv_stream,
     runs,
     send,
@@ -65,9 +67,28 @@ class Slot:
 
 @dataclass
 class Peer:
+    """One client's pair group. Its transfers run one at a time in the order of their tags (the client
+    numbers them as it sends), however the gRPC threads that carry the requests get scheduled; that
+    lets a client start its next transfer before the previous reply is back."""
+
     group: dist.ProcessGroup
     staging: Staging
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    next_tag: int = 1
+    closed: bool = False
+
+    @contextlib.contextmanager
+    def turn(self, tag: int, messages: int, timeout_s: float):
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.closed or self.next_tag == tag, timeout_s):
+                raise TimeoutError(f"transfer tag {tag} never came up (at {self.next_tag})")
+            if self.closed:
+                raise ConnectionError("the peer reconnected or failed")
+            try:
+                yield
+            finally:
+                self.next_tag = next_tag(tag, messages)
+                self.cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -168,7 +189,10 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         except Exception as err:  # the peer never joined, or the backend failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair group {request.group_name!r} failed: {err}")
         with self.lock:
+            old = self.peers.get(request.peer_id)
             self.peers[request.peer_id] = Peer(group, Staging(self.slab.dtype, self.device))
+        if old is not None:
+            self._drop_peer(request.peer_id, old)
         log.info("connected peer %s (%s)", request.peer_id, request.backend or "gloo")
         return pool_pb2.ConnectResponse()
 
@@ -234,7 +258,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 dest_slab[slot0 : slot0 + length].copy_(data[r0 : r0 + length])
 
         try:
-            with peer.lock:
+            with peer.turn(request.tag, len(plan), self.cfg.transfer_timeout_s):
                 recv_stream(peer.group, 1, request.tag + 1, plan, dest, None if direct else land)
         except Exception as err:
             self._drop_peer(request.peer_id, peer)
@@ -307,12 +331,12 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                     data[pos : pos + length].copy_(src[slot0 : slot0 + length])
                 return data
 
+            chunk_blocks = request.chunk_blocks or len(request.blocks) or 1
+            budget = len(chunk_plan(len(request.blocks), chunk_blocks))  # tags the client set aside
             try:
-                with peer.lock:
+                with peer.turn(request.tag, budget, self.cfg.transfer_timeout_s):
                     send(peer.group, header, 1, request.tag)
-                    send_stream(
-                        peer.group, 1, request.tag + 1, chunk_plan(n, request.chunk_blocks or n or 1), chunk
-                    )
+                    send_stream(peer.group, 1, request.tag + 1, chunk_plan(n, chunk_blocks), chunk)
             except Exception as err:
                 self._drop_peer(request.peer_id, peer)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"sending {n} blocks failed: {err}")
@@ -369,6 +393,9 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         with self.lock:
             if self.peers.get(peer_id) is peer:
                 del self.peers[peer_id]
+        with peer.cond:
+            peer.closed = True
+            peer.cond.notify_all()
 
     def check_redis(self) -> None:
         """Republish every complete block when Redis comes back empty (restarted, or a new server)."""

@@ -91,6 +91,11 @@ def make_pair_group(
 CHUNK_BYTES = 8 * 2**20  # one transfer moves in messages of about this size, pipelined
 
 
+def next_tag(tag: int, messages: int) -> int:
+    """The tag after a transfer that used `tag` (its header) and `messages` data messages after it."""
+    return (tag + messages + 2) % 2**30 or 1
+
+
 def chunk_plan(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
     """(first block, count) of each message of a transfer."""
     return [(i, min(chunk_blocks, num_blocks - i)) for i in range(0, num_blocks, chunk_blocks)]

@@ -216,18 +216,34 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         self._pending_puts.append((job, plan))
 
     def _write_out(self, job: Job, plan: dict) -> None:
-        req = job.req
-        locations = plan["locations"]
+        """Transfer thread: send the blocks; the pool's reply completes the request (see _answer)."""
         started = time.perf_counter()
-        if plan["write"]:
+        if not plan["write"]:
+            self._answer(job, plan, [], started)
+            return
+        try:
+            pending = self.pool.put_async(job.req.request_id, plan["keys"], plan["data"], plan["private"])
+        except PoolError as err:
+            log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
+            self._answer(job, plan, [None] * len(plan["write"]), started)
+            return
+        plan["data"] = None  # sent: the copy can go
+
+        def done(future) -> None:
             try:
-                stored = self.pool.put(req.request_id, plan["keys"], plan["data"], plan["private"])
+                stored = future.result()
             except PoolError as err:
-                log.warning("writing KV of %s to the pool failed: %s", req.request_id, err)
+                log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
                 stored = [None] * len(plan["write"])
-            for i, loc in zip(plan["write"], stored, strict=True):
-                locations[i] = loc
-            self.counters["blocks_put"] += sum(loc is not None for loc in stored)
+            self._answer(job, plan, stored, started)
+
+        pending.add_done_callback(done)
+
+    def _answer(self, job: Job, plan: dict, stored: list, started: float) -> None:
+        req, locations = job.req, plan["locations"]
+        for i, loc in zip(plan["write"], stored, strict=True):
+            locations[i] = loc
+        self.counters["blocks_put"] += sum(loc is not None for loc in stored)
         prefix = []
         for loc in locations:
             if loc is None:
