@@ -164,6 +164,7 @@ class LLMEngine:
         self.states[req.request_id] = state
         req.block_ids = list(block_ids)
         req.num_computed_tokens = num_kv_tokens
+        req.status = RequestStatus.WAITING
         finished = state.add_token(first_token)
         state.pending_ids = []  # the first token was already streamed by the prefill side
         if finished is not None:

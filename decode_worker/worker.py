@@ -20,7 +20,7 @@ import grpc
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
-from kvferry.decode_worker.request import InvalidRequestError, Request, SamplingParams
+from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
 from kvferry.kvpool.client import PoolClient, PoolError, from_proto
 from kvferry.kvpool.transfer import unpack_blocks
@@ -110,8 +110,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             blocks_pulled=c["blocks_pulled"],
             running=len(e.scheduler.running),
             waiting=len(e.scheduler.waiting),
-            waiting_for_kv=sum(1 for s in self.streams.values() if s.req is not None and s.pulling)
-            + len(self.kv_waiting),
+            waiting_for_kv=sum(
+                1 for s in self.streams.values() if s.req.status == RequestStatus.WAITING_FOR_KV
+            ),
             free_blocks=e.block_manager.num_free_blocks,
             total_blocks=e.block_manager.num_blocks,
             active_request_ids=sorted(self.streams),
@@ -139,6 +140,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as err:
             stream.out.put(err)
             return
+        stream.req.status = RequestStatus.WAITING_FOR_KV
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
         if not self._start_pull(stream):
