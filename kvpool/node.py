@@ -69,26 +69,42 @@ class Slot:
 class Peer:
     """One client's pair group. Its transfers run one at a time in the order of their tags (the client
     numbers them as it sends), however the gRPC threads that carry the requests get scheduled; that
-    lets a client start its next transfer before the previous reply is back."""
+    lets a client start its next transfer before the previous reply is back. Each waiting transfer
+    has its own event, so finishing one wakes only the next (no thundering herd of handler threads)."""
 
     group: dist.ProcessGroup
     staging: Staging
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     next_tag: int = 1
+    waiting: dict[int, threading.Event] = field(default_factory=dict)
     closed: bool = False
 
     @contextlib.contextmanager
     def turn(self, tag: int, messages: int, timeout_s: float):
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.closed or self.next_tag == tag, timeout_s):
-                raise TimeoutError(f"transfer tag {tag} never came up (at {self.next_tag})")
-            if self.closed:
-                raise ConnectionError("the peer reconnected or failed")
-            try:
-                yield
-            finally:
+        with self.lock:
+            ready = self.next_tag == tag
+            event = None if ready else self.waiting.setdefault(tag, threading.Event())
+        if event is not None and not event.wait(timeout_s):
+            with self.lock:
+                self.waiting.pop(tag, None)
+            raise TimeoutError(f"transfer tag {tag} never came up (at {self.next_tag})")
+        if self.closed:
+            raise ConnectionError("the peer reconnected or failed")
+        try:
+            yield
+        finally:
+            with self.lock:
                 self.next_tag = next_tag(tag, messages)
-                self.cond.notify_all()
+                woken = self.waiting.pop(self.next_tag, None)
+            if woken is not None:
+                woken.set()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            waiting, self.waiting = list(self.waiting.values()), {}
+        for event in waiting:
+            event.set()
 
 
 @dataclass(frozen=True)
@@ -134,11 +150,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             items = [self.outbox.get()]
             while not self.outbox.empty():
                 items.append(self.outbox.get())
-            publish = [loc for kind, x in items if kind == "publish" for loc in x]
-            for kind, loc in items:
-                if kind == "unpublish":
-                    self.meta.unpublish(loc)
-            self.meta.publish(publish)
+            self.meta.unpublish([loc for kind, loc in items if kind == "unpublish"])
+            self.meta.publish([loc for kind, x in items if kind == "publish" for loc in x])
 
     # -- slot bookkeeping (callers hold self.lock) -----------------------------------------------------
     def _allocate(self, evicted: list[Location]) -> Slot | None:
@@ -393,9 +406,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         with self.lock:
             if self.peers.get(peer_id) is peer:
                 del self.peers[peer_id]
-        with peer.cond:
-            peer.closed = True
-            peer.cond.notify_all()
+        peer.close()
 
     def check_redis(self) -> None:
         """Republish every complete block when Redis comes back empty (restarted, or a new server)."""
