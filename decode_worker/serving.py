@@ -30,11 +30,18 @@ log = logging.getLogger(__name__)
 class EngineLoop(threading.Thread):
     """Runs `engine.step()` while there is work; runs submitted closures between steps."""
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable, idle_hook: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable,
+        idle_hook: Callable[[], bool] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
         self.on_outputs = on_outputs
         self.idle_hook = idle_hook  # extra work the loop polls (returns True when it did something)
+        self.on_error = on_error  # a step failed: fail the requests in flight (the loop goes on)
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopped = threading.Event()
@@ -49,7 +56,14 @@ class EngineLoop(threading.Thread):
             if self.idle_hook is not None:
                 ran = self.idle_hook() or ran
             if self.engine.has_unfinished():
-                self.on_outputs(self.engine.step())
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:
+                    log.exception("engine step failed")
+                    if self.on_error is not None:
+                        self.on_error(err)
+                    continue
+                self.on_outputs(outputs)
             elif not ran:
                 self.wake.wait(0.05)
                 self.wake.clear()

@@ -54,7 +54,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.streams: dict[str, Stream] = {}
         self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
         self.counters: Counter[str] = Counter()
-        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._admit_waiting)
+        self.loop = EngineLoop(
+            engine, self._on_outputs, idle_hook=self._admit_waiting, on_error=self._fail_all
+        )
         self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
 
     def start(self) -> None:
@@ -83,6 +85,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             item = stream.out.get()
             if isinstance(item, InvalidRequestError):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, Exception):
+                context.abort(grpc.StatusCode.INTERNAL, f"decode of {rid} failed: {item}")
             yield item
             if item.finish_reason:
                 return
@@ -235,6 +239,15 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             stream.out.put(msg)
             if out.finished:
                 del self.streams[out.request_id]
+
+    def _fail_all(self, err: Exception) -> None:
+        """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
+        for request_id, stream in list(self.streams.items()):
+            if stream.pulling or stream in self.kv_waiting:
+                continue  # not in the failed step
+            self.engine.abort(request_id)
+            self.streams.pop(request_id, None)
+            stream.out.put(RuntimeError(f"engine step failed: {err}"))
 
     def _finish(self, stream: Stream, reason: str) -> None:
         self.streams.pop(stream.request.request_id, None)

@@ -49,7 +49,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker_id = worker_id
         self.jobs: dict[str, Job] = {}
         self.counters: Counter[str] = Counter()
-        self.loop = EngineLoop(engine, self._on_outputs)
+        self.loop = EngineLoop(engine, self._on_outputs, on_error=self._fail_all)
         self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-put")
         self._pending_puts: list[tuple[Job, dict]] = []
         self._lock = threading.Lock()
@@ -82,6 +82,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
         except PoolError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except Exception as err:
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
 
     def GetWorkerInfo(self, request, context):
         return worker_info(self.engine, "prefill", self.worker_id)
@@ -135,7 +137,20 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             self._pull_prefix(job)
         except PoolError as err:  # a pool outage costs recompute, never the request
             log.warning("prefix pull for %s failed, computing it: %s", req.request_id, err)
+        except Exception as err:
+            log.exception("prefix pull for %s failed", req.request_id)
+            self._drop(req.request_id)
+            job.future.set_exception(err)
+            return
         e.submit(req)
+
+    def _fail_all(self, err: Exception) -> None:
+        """A step failed: every request in the engine fails (the worker keeps serving new ones)."""
+        for request_id, job in list(self.jobs.items()):
+            self.engine.abort(request_id)
+            self._drop(request_id)
+            if not job.future.done():
+                job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
 
     def _pull_prefix(self, job: Job) -> None:
         req, bm = job.req, self.engine.block_manager
