@@ -54,7 +54,10 @@ class EngineLoop(threading.Thread):
         while not self.stopped.is_set():
             ran = self._drain()
             if self.idle_hook is not None:
-                ran = self.idle_hook() or ran
+                try:
+                    ran = self.idle_hook() or ran
+                except Exception:
+                    log.exception("engine idle work failed")
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -63,7 +66,10 @@ class EngineLoop(threading.Thread):
                     if self.on_error is not None:
                         self.on_error(err)
                     continue
-                self.on_outputs(outputs)
+                try:
+                    self.on_outputs(outputs)
+                except Exception:
+                    log.exception("delivering engine outputs failed")
             elif not ran:
                 self.wake.wait(0.05)
                 self.wake.clear()

@@ -22,7 +22,7 @@ from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
-from kvferry.kvpool.client import PoolClient, PoolError, from_proto
+from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.kvpool.transfer import unpack_blocks
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -53,6 +53,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker_id = worker_id
         self.streams: dict[str, Stream] = {}
         self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
+        self.tombstones: dict[str, float] = {}  # aborted before their Decode call arrived
         self.counters: Counter[str] = Counter()
         self.loop = EngineLoop(
             engine, self._on_outputs, idle_hook=self._admit_waiting, on_error=self._fail_all
@@ -137,6 +138,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
         )
+        if self.tombstones.pop(r.request_id, None) is not None:  # aborted before it got here
+            stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
+            return
         try:
             if r.request_id in self.streams:
                 raise InvalidRequestError(f"request_id {r.request_id!r} is already decoding here")
@@ -156,7 +160,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         locations = [from_proto(x) for x in stream.request.blocks]
         bm.update_keys(req)
         usable = 0  # leading locations whose keys match ours (a different model's KV is never used)
-        for i, loc in enumerate(locations):
+        for i, loc in enumerate(locations[: bm.blocks_needed(req.num_prompt_tokens)]):
             if i < len(req.block_keys) and loc.key != req.block_keys[i]:
                 break
             usable += 1
@@ -166,7 +170,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         if reserved is None:
             bm.release(local)
             if bm.num_blocks - bm.num_free_blocks == 0:  # could never fit: recompute instead
-                reserved, locations = [], []
+                local, reserved, locations = [], [], []
             else:
                 return False
         stream.local, stream.reserved, stream.pulling = local, reserved, True
@@ -185,15 +189,16 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         """Transfer thread: pool -> reserved blocks of the paged cache."""
         started, n = time.perf_counter(), 0
         if remote:
-            try:
+            try:  # any failure means: recompute what did not arrive (the request itself goes on)
                 cache, reserved = self.engine.runner.kv_cache, stream.reserved
 
                 def land(first: int, data) -> None:
                     unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
 
                 n = self.pool.get_into(stream.req.request_id, remote, land)
-            except PoolError as err:
+            except Exception as err:
                 log.warning("pulling KV of %s failed, recomputing: %s", stream.req.request_id, err)
+                n = 0  # a partial landing is not trusted
         stream.kv_pull_ms = (time.perf_counter() - started) * 1e3
         self.loop.submit(lambda: self._kv_ready(stream, n))
 
@@ -256,6 +261,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     def _abort(self, request_id: str) -> bool:
         stream = self.streams.get(request_id)
         if stream is None:
+            # the Decode call may still be on its way: remember the abort for a while
+            now = time.monotonic()
+            self.tombstones[request_id] = now
+            for rid, at in list(self.tombstones.items()):
+                if now - at > 60:
+                    del self.tombstones[rid]
             return False
         if stream in self.kv_waiting:
             self.kv_waiting.remove(stream)

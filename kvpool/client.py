@@ -55,6 +55,7 @@ class _Node:
     stub: pool_pb2_grpc.KVPoolStub
     staging: Staging
     group: dist.ProcessGroup | None = None
+    group_name: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_tag: int = 1
     # the data plane: one thread per node runs the transfers in tag order (the order the node expects),
@@ -146,24 +147,28 @@ class PoolClient:
             return node.group
         backend = "nccl" if self.device.type == "cuda" and node.device == "cuda" else "gloo"
         name = f"{self.peer_id}/{uuid.uuid4().hex[:8]}"
-        host, port = node.store_addr.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(self.timeout_s))
-        reply = node.stub.Connect.future(
-            pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
-            timeout=self.timeout_s,
-        )
+        reply = None
         try:
+            host, port = node.store_addr.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(self.timeout_s))
+            reply = node.stub.Connect.future(
+                pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
+                timeout=self.timeout_s,
+            )
             group = make_pair_group(store, name, 1, backend, self.host, self.timeout_s)
             reply.result()
-        except (grpc.RpcError, RuntimeError) as err:
-            reply.cancel()
+        except Exception as err:  # store unreachable, peer never joined, RPC failed: the node is down
+            if reply is not None:
+                reply.cancel()
             raise PoolError(f"cannot connect to pool node {node.node_id}: {err}") from err
-        node.group, node.next_tag = group, 1
+        node.group, node.group_name, node.next_tag = group, name, 1
         return group
 
-    def _fail(self, node: _Node, err: Exception, what: str) -> PoolError:
-        node.group = None  # a failed transfer leaves the pair in an unknown state: make a new one
-        node.next_tag = 1
+    def _fail(self, node: _Node, err: Exception, what: str, group=None) -> PoolError:
+        """Forget the pair group a transfer failed on (caller holds node.lock), unless it was already
+        replaced: a late failure of an old group must not tear down a healthy new one."""
+        if group is None or node.group is group:
+            node.group, node.group_name, node.next_tag = None, "", 1
         return PoolError(f"{what} on pool node {node.node_id} failed: {err}")
 
     # -- data -----------------------------------------------------------------------------------------
@@ -216,6 +221,7 @@ class PoolClient:
             if isinstance(data, torch.Tensor):
                 data = data.contiguous()
             request = pool_pb2.PutRequest(
+                group_name=node.group_name,
                 peer_id=self.peer_id,
                 tag=tag,
                 request_id=request_id,
@@ -234,14 +240,14 @@ class PoolClient:
                 return
             reply.cancel()
             with node.lock:
-                done.set_exception(self._fail(node, err, f"put of {len(keys)} blocks"))
+                done.set_exception(self._fail(node, err, f"put of {len(keys)} blocks", group))
 
         def finish(call) -> None:
             try:
                 result = call.result()
             except grpc.RpcError as err:
                 with node.lock:
-                    failure = self._fail(node, err, f"put of {len(keys)} blocks")
+                    failure = self._fail(node, err, f"put of {len(keys)} blocks", group)
                 done.set_exception(failure)
                 return
             done.set_result([from_proto(loc) if loc.generation else None for loc in result.locations])
@@ -322,6 +328,7 @@ class PoolClient:
             group = self._connect(node)
             tag = self._tags(node, len(chunk_plan(len(run), chunk_blocks)))
             request = pool_pb2.GetRequest(
+                group_name=node.group_name,
                 peer_id=self.peer_id,
                 tag=tag,
                 request_id=request_id,
@@ -349,10 +356,10 @@ class PoolClient:
             received = self._submit(node, receive)
         try:
             n = received.result()
-        except RuntimeError as err:
+        except Exception as err:
             reply.cancel()
             with node.lock:
-                raise self._fail(node, err, f"get of {len(run)} blocks") from err
+                raise self._fail(node, err, f"get of {len(run)} blocks", group) from err
         # the data is here; the reply only confirms it, so nobody waits for it
         reply.add_done_callback(
             lambda call: call.exception() and log.warning("get reply: %s", call.exception())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import itertools
 import logging
 import queue
 import signal
@@ -60,6 +61,7 @@ class Slot:
     key: bytes = b""
     generation: int = 0
     heads_written: int = 0  # bitmask of KV heads received so far (a TP put brings one slice per rank)
+    writers: int = 0  # puts whose bytes are landing here now: the slot is neither freed nor evictable
     leases: int = 0
     request_id: str = ""  # owner of a private block
     expires: float = 0.0
@@ -74,6 +76,7 @@ class Peer:
 
     group: dist.ProcessGroup
     staging: Staging
+    name: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_tag: int = 1
     waiting: dict[int, threading.Event] = field(default_factory=dict)
@@ -150,8 +153,13 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             items = [self.outbox.get()]
             while not self.outbox.empty():
                 items.append(self.outbox.get())
-            self.meta.unpublish([loc for kind, loc in items if kind == "unpublish"])
-            self.meta.publish([loc for kind, x in items if kind == "publish" for loc in x])
+            # in order, a run of same-kind writes at a time: an eviction's unpublish must not land
+            # after the publish of the key's newer copy, nor before its older one
+            for kind, group in itertools.groupby(items, key=lambda item: item[0]):
+                if kind == "unpublish":
+                    self.meta.unpublish([loc for _, loc in group])
+                else:
+                    self.meta.publish([loc for _, batch in group for loc in batch])
 
     # -- slot bookkeeping (callers hold self.lock) -----------------------------------------------------
     def _allocate(self, evicted: list[Location]) -> Slot | None:
@@ -203,16 +211,20 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair group {request.group_name!r} failed: {err}")
         with self.lock:
             old = self.peers.get(request.peer_id)
-            self.peers[request.peer_id] = Peer(group, Staging(self.slab.dtype, self.device))
+            self.peers[request.peer_id] = Peer(
+                group, Staging(self.slab.dtype, self.device), request.group_name
+            )
         if old is not None:
             self._drop_peer(request.peer_id, old)
         log.info("connected peer %s (%s)", request.peer_id, request.backend or "gloo")
         return pool_pb2.ConnectResponse()
 
-    def _peer(self, peer_id: str, context) -> Peer:
-        peer = self.peers.get(peer_id)
+    def _peer(self, request, context) -> Peer:
+        peer = self.peers.get(request.peer_id)
         if peer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer_id!r} has not connected")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peer {request.peer_id!r} has not connected")
+        if request.group_name and request.group_name != peer.name:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pair group {request.group_name!r} is gone")
         return peer
 
     def _heads(self, request, context) -> tuple[int, int]:
@@ -224,7 +236,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         return begin, end
 
     def Put(self, request, context):
-        peer = self._peer(request.peer_id, context)
+        peer = self._peer(request, context)
         head_begin, head_end = self._heads(request, context)
         mask = ((1 << head_end) - 1) ^ ((1 << head_begin) - 1)
         targets: list[Slot | None] = []
@@ -247,6 +259,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                             self.index[block.key] = slot.index
                         else:
                             slot.expires = time.monotonic() + self.cfg.private_ttl_s
+                if slot is not None:
+                    slot.writers += 1  # pinned (no release, no eviction) until this put is done
                 targets.append(slot)
         for loc in stale:
             self.outbox.put(("unpublish", loc))
@@ -277,8 +291,13 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             self._drop_peer(request.peer_id, peer)
             with self.lock:
                 for slot in targets:
-                    if slot is not None and slot.state == SlotState.WRITING and slot.heads_written == 0:
-                        self._release(slot)
+                    if slot is None:
+                        continue
+                    slot.writers -= 1
+                    if slot.writers == 0 and slot.state == SlotState.WRITING:
+                        self._release(slot)  # no complete copy can come of it now
+                    elif slot.writers == 0 and slot.state == SlotState.PUBLISHED and slot.leases == 0:
+                        self.lru[slot.index] = None
             context.abort(grpc.StatusCode.UNAVAILABLE, f"receiving {n} blocks failed: {err}")
         publish, reply = [], pool_pb2.PutResponse()
         with self.lock:
@@ -291,14 +310,16 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                         else pool_pb2.BlockLocation(key=block.key)
                     )
                     continue
+                slot.writers -= 1
                 slot.heads_written |= mask
                 if slot.heads_written == self.all_heads and slot.state == SlotState.WRITING:
                     if block.private:
                         slot.state = SlotState.PRIVATE
                     else:
                         slot.state = SlotState.PUBLISHED
-                        self.lru[slot.index] = None
                         publish.append(Location(slot.key, self.node_id, slot.index, slot.generation))
+                if slot.state == SlotState.PUBLISHED and slot.writers == 0 and slot.leases == 0:
+                    self.lru[slot.index] = None  # evictable only once nobody writes or reads it
                 reply.locations.append(self._location(slot))
             self.counters["blocks_in"] += len(rows)
         publish += republish
@@ -311,7 +332,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         return None if index is None else self.slots[index]
 
     def Get(self, request, context):
-        peer = self._peer(request.peer_id, context)
+        peer = self._peer(request, context)
         head_begin, head_end = self._heads(request, context)
         leased: list[Slot] = []
         with self.lock:
@@ -324,6 +345,10 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                     or slot.state not in (SlotState.PUBLISHED, SlotState.PRIVATE)
                 ):
                     self.counters["stale_gets"] += 1
+                    if slot is not None and loc.node_id == self.node_id:  # drop the stale entry
+                        self.outbox.put(
+                            ("unpublish", Location(loc.key, loc.node_id, loc.slot, loc.generation))
+                        )
                     break
                 slot.leases += 1
                 self.lru.pop(slot.index, None)
@@ -358,13 +383,15 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 self.leases[request.request_id] -= len(leased)
                 if self.leases[request.request_id] <= 0:
                     del self.leases[request.request_id]
+                full = head_end - head_begin == self.layout.num_kv_heads
                 for slot in leased:
                     slot.leases -= 1
-                    if slot.state == SlotState.PRIVATE and slot.heads_written == self.all_heads:
-                        # a tail block serves one decode worker; TP readers each fetch their slice
-                        if head_end - head_begin == self.layout.num_kv_heads or slot.leases == 0:
+                    if slot.state == SlotState.PRIVATE:
+                        # a tail block serves one decode worker: gone after a whole read (readers of
+                        # head slices leave it to Release / the TTL, not knowing who else needs it)
+                        if full and slot.leases == 0 and slot.writers == 0:
                             self._release(slot)
-                    elif slot.state == SlotState.PUBLISHED and slot.leases == 0:
+                    elif slot.state == SlotState.PUBLISHED and slot.leases == 0 and slot.writers == 0:
                         self.lru[slot.index] = None
                         self.lru.move_to_end(slot.index)
                 self.counters["blocks_out"] += len(leased)
@@ -375,9 +402,10 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         with self.lock:
             for slot in self.slots:
                 if (
-                    slot.state == SlotState.PRIVATE
+                    slot.state in (SlotState.PRIVATE, SlotState.WRITING)
                     and slot.request_id == request.request_id
                     and slot.leases == 0
+                    and slot.writers == 0
                 ):
                     self._release(slot)
                     released += 1
@@ -428,7 +456,12 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         now = time.monotonic()
         with self.lock:
             for slot in self.slots:
-                if slot.state == SlotState.PRIVATE and slot.leases == 0 and slot.expires < now:
+                if (
+                    slot.request_id
+                    and slot.state in (SlotState.PRIVATE, SlotState.WRITING)
+                    and slot.leases == slot.writers == 0
+                    and slot.expires < now
+                ):
                     self._release(slot)
 
     def info(self) -> dict:

@@ -173,7 +173,11 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         def land(first: int, data) -> None:
             unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
 
-        n = self.pool.get_into(req.request_id, locations, land)
+        try:
+            n = self.pool.get_into(req.request_id, locations, land)
+        except Exception:
+            bm.release(reserved)
+            raise
         for block_id, key in zip(reserved[:n], rest, strict=False):
             bm.register(block_id, key)
         bm.release(reserved[n:])
@@ -238,7 +242,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             return
         try:
             pending = self.pool.put_async(job.req.request_id, plan["keys"], plan["data"], plan["private"])
-        except PoolError as err:
+        except Exception as err:  # whatever went wrong, the request is answered (its KV will be recomputed)
             log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
             self._answer(job, plan, [None] * len(plan["write"]), started)
             return
@@ -247,7 +251,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         def done(future) -> None:
             try:
                 stored = future.result()
-            except PoolError as err:
+            except Exception as err:
                 log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
                 stored = [None] * len(plan["write"])
             self._answer(job, plan, stored, started)

@@ -150,11 +150,13 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 yield message
             completed = True
         finally:
-            del self.inflight[request_id]
-            if not completed or handle.aborted:
-                await self._cleanup(handle)
-            elif handle.release_pool:
-                await self._release_pool(request_id)
+            try:
+                if not completed or handle.aborted:
+                    await self._cleanup(handle)
+                elif handle.release_pool:
+                    await self._release_pool(request_id)
+            finally:  # only now may the id be reused: cleanup must not hit its successor
+                del self.inflight[request_id]
 
     async def _generate(self, handle: Inflight, ids: list[int], params: SamplingParams, context, t0: float):
         model = self.directory.model
@@ -166,6 +168,9 @@ class Router(generate_pb2_grpc.GenerationServicer):
         cached = len(await asyncio.to_thread(self.meta.lookup_prefix, keys)) * model.block_size
         timeout = context.time_remaining()
 
+        if handle.aborted:
+            yield self._final(handle, req, state, "abort", cached, {}, t0)
+            return
         prefill_worker = self.directory.pick("prefill")
         if prefill_worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
@@ -191,6 +196,9 @@ class Router(generate_pb2_grpc.GenerationServicer):
         out = state.emit()
         yield generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text)
 
+        if handle.aborted:  # Abort() came while the first token was on its way
+            yield self._final(handle, req, state, "abort", prefill.cached_tokens, timings, t0)
+            return
         decode_worker = self.directory.pick("decode")
         if decode_worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
