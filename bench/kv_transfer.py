@@ -17,13 +17,11 @@ Last line JSON: pool_put_gbps, pool_get_gbps, raw_gloo_gbps, memcpy_gbps, put_ra
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import redis
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -31,7 +29,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
-from kvferry.deploy.local import free_port
+from kvferry.deploy.local import free_port, redis_server_argv, wait_for_redis
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import (
@@ -102,33 +100,8 @@ def main() -> None:
     )
 
     redis_port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                shutil.which("redis-server"),
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-    ]
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    client = redis.Redis(port=redis_port)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    procs = [subprocess.Popen(redis_server_argv("127.0.0.1", redis_port), stdout=subprocess.DEVNULL)]
+    url = wait_for_redis("127.0.0.1", redis_port, time.monotonic() + 20)
     procs.append(
         subprocess.Popen(
             [

@@ -8,6 +8,7 @@ registry (role prefill|decode) with a heartbeat so the router finds it and notic
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import queue
 import signal
@@ -49,6 +50,12 @@ class EngineLoop(threading.Thread):
     def submit(self, fn: Callable[[], None]) -> None:
         self.inbox.put(fn)
         self.wake.set()
+
+    def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
+        """Run `fn` on the engine thread between steps and return its result (for handler threads)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.submit(lambda: done.set_result(fn()))
+        return done.result(timeout=timeout_s)
 
     def run(self) -> None:
         while not self.stopped.is_set():

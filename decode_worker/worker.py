@@ -14,13 +14,13 @@ import logging
 import queue
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
 from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.kvpool.transfer import unpack_blocks
@@ -93,17 +93,13 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                 return
 
     def Abort(self, request, context):
-        done = concurrent.futures.Future()
-        self.loop.submit(lambda: done.set_result(self._abort(request.request_id)))
-        return worker_pb2.WorkerAbortResponse(found=done.result(timeout=30))
+        return worker_pb2.WorkerAbortResponse(found=self.loop.call(lambda: self._abort(request.request_id)))
 
     def GetWorkerInfo(self, request, context):
         return worker_info(self.engine, "decode", self.worker_id)
 
     def GetStats(self, request, context):
-        done = concurrent.futures.Future()
-        self.loop.submit(lambda: done.set_result(self._stats()))
-        return done.result(timeout=30)
+        return self.loop.call(self._stats)
 
     def _stats(self) -> worker_pb2.WorkerStats:
         e, c = self.engine, self.counters
@@ -128,16 +124,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     # -- engine thread --------------------------------------------------------------------------------
     def _admit(self, stream: Stream) -> None:
         r = stream.request
-        params = sampling_from_proto(r.sampling)
-        params = SamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed,
-            stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos,
-        )
+        params = replace(sampling_from_proto(r.sampling), stop=())  # stop strings are the router's
         if self.tombstones.pop(r.request_id, None) is not None:  # aborted before it got here
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return

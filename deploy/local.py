@@ -51,6 +51,32 @@ class LaunchError(RuntimeError):
     pass
 
 
+def redis_server_argv(host: str, port: int, workdir: Path | None = None) -> list[str]:
+    """A throwaway redis-server on host:port: no persistence (the metadata is a cache)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise LaunchError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
+    argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    argv += ["--protected-mode", "no"]
+    return argv + (["--dir", str(workdir)] if workdir is not None else [])
+
+
+def wait_for_redis(host: str, port: int, deadline: float, check=None) -> str:
+    """Poll until the server answers PING (calling `check()` between tries); returns its URL."""
+    import redis
+
+    client = redis.Redis(host=host, port=port)
+    while True:
+        if check is not None:
+            check()
+        with contextlib.suppress(redis.RedisError):
+            client.ping()
+            return f"redis://{host}:{port}/0"
+        if time.monotonic() > deadline:
+            raise LaunchError(f"redis-server on {host}:{port} did not start in time")
+        time.sleep(0.05)
+
+
 @dataclass
 class Child:
     name: str
@@ -116,6 +142,7 @@ class LocalCluster:
 
         layout = cluster_layout(cfg, model_dir)
         slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
+        common = ["--host", host, "--redis-url", self.redis_url, "--namespace", cfg.namespace]
         for i in range(cfg.pool.nodes):
             self._spawn(
                 f"pool-{i}",
@@ -124,12 +151,7 @@ class LocalCluster:
                     "kvferry.kvpool",
                     "--node-id",
                     f"pool-{i}",
-                    "--host",
-                    host,
-                    "--redis-url",
-                    self.redis_url,
-                    "--namespace",
-                    cfg.namespace,
+                    *common,
                     "--layout",
                     ",".join(map(str, layout.to_list())),
                     "--num-slots",
@@ -148,12 +170,7 @@ class LocalCluster:
                         f"kvferry.{group}_worker",
                         "--worker-id",
                         f"{group}-{i}",
-                        "--host",
-                        host,
-                        "--redis-url",
-                        self.redis_url,
-                        "--namespace",
-                        cfg.namespace,
+                        *common,
                         *engine_args,
                     ],
                     env,
@@ -166,14 +183,9 @@ class LocalCluster:
                 "kvferry.router",
                 "--model",
                 str(model_dir),
-                "--host",
-                host,
+                *common,
                 "--port",
                 str(port),
-                "--redis-url",
-                self.redis_url,
-                "--namespace",
-                cfg.namespace,
                 "--max-inflight",
                 str(cfg.router.max_inflight),
             ],
@@ -183,39 +195,9 @@ class LocalCluster:
         return self.router_addr
 
     def _start_redis(self, host: str, deadline: float) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise LaunchError(
-                "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
-            )
         port = free_port(host)
-        self._spawn(
-            "redis",
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                host,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-            ],
-        )
-        import redis
-
-        client = redis.Redis(host=host, port=port)
-        while True:
-            self._check_alive()
-            with contextlib.suppress(redis.RedisError):
-                client.ping()
-                return f"redis://{host}:{port}/0"
-            if time.monotonic() > deadline:
-                raise LaunchError("redis-server did not start in time")
-            time.sleep(0.05)
+        self._spawn("redis", redis_server_argv(host, port))
+        return wait_for_redis(host, port, deadline, self._check_alive)
 
     def _wait_ready(self, deadline: float) -> None:
         from kvferry.router.client import Client

@@ -16,13 +16,13 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
 from kvferry.kvpool.client import PoolClient, PoolError, to_proto
 from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
@@ -89,9 +89,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_info(self.engine, "prefill", self.worker_id)
 
     def GetStats(self, request, context):
-        done = concurrent.futures.Future()
-        self.loop.submit(lambda: done.set_result(self._stats()))
-        return done.result(timeout=30)
+        return self.loop.call(self._stats)
 
     def _stats(self) -> worker_pb2.WorkerStats:
         e, c = self.engine, self.counters
@@ -114,16 +112,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
     def _start(self, job: Job) -> None:
         request, e = job.request, self.engine
         p = request.sampling
-        params = sampling_from_proto(p)
         # one token here, whatever the request asks: EOS and stop rules are applied by the router
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed,
-            ignore_eos=True,
-        )
+        params = replace(sampling_from_proto(p), max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
         try:
             if request.request_id in self.jobs:
                 raise InvalidRequestError(f"request_id {request.request_id!r} is already in prefill")

@@ -17,7 +17,7 @@ import math
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -207,15 +207,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             request_id=rid,
             prompt_token_ids=ids,
             first_token_id=prefill.first_token_id,
-            sampling=generate_pb2.SamplingParams(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                max_tokens=params.max_tokens,
-                stop_token_ids=list(params.stop_token_ids),
-                ignore_eos=params.ignore_eos,
-                **({"seed": params.seed} if params.seed is not None else {}),
-            ),
+            sampling=sampling_to_proto(replace(params, stop=())),  # stop strings are applied here
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
         )

@@ -99,7 +99,10 @@ def test_tp_slices_publish_only_when_every_head_arrived(pool):
     data = blocks(1, 3)
     keys = [key(0, 3)]
     pool.put("tp", keys, data[:, :, :, :2].contiguous(), head_begin=0, head_end=2)
-    time.sleep(0.3)  # give the publisher time it would need, to show it does not publish
+    # a complete block put after it: once that one is published, anything queued before it was too
+    marker = [key(1, 3)]
+    pool.put("tp", marker, data)
+    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1)
     assert pool.lookup_prefix(keys) == []
     (loc,) = pool.put("tp", keys, data[:, :, :, 2:].contiguous(), head_begin=2, head_end=4)
     wait_for(lambda: len(pool.lookup_prefix(keys)) == 1)
