@@ -14,6 +14,7 @@ import queue
 import signal
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
@@ -97,6 +98,60 @@ class EngineLoop(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.wake.set()
+
+
+class EngineWorker:
+    """What both worker services share: the engine thread, one KV transfer thread, counters, info/stats.
+
+    Subclasses set `role`, create `self.loop` (an EngineLoop with their hooks) and list the requests
+    they hold in `active_ids()`.
+    """
+
+    role = ""
+
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
+        self.engine = engine
+        self.pool = pool
+        self.worker_id = worker_id
+        self.counters: Counter[str] = Counter()
+        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{self.role}")
+        self.loop: EngineLoop
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.loop.join(5)
+        self.transfers.shutdown(wait=True)
+
+    def active_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def GetWorkerInfo(self, request, context):
+        return worker_info(self.engine, self.role, self.worker_id)
+
+    def GetStats(self, request, context):
+        return self.loop.call(self._stats)
+
+    def _stats(self, **extra) -> worker_pb2.WorkerStats:
+        """The counters and engine figures every worker reports (runs on the engine thread)."""
+        e, c = self.engine, self.counters
+        return worker_pb2.WorkerStats(
+            requests=c["requests"],
+            pool_hit_tokens=c["pool_hit_tokens"],
+            local_hit_tokens=c["local_hit_tokens"],
+            blocks_put=c["blocks_put"],
+            blocks_pulled=c["blocks_pulled"],
+            recomputed_tokens=c["recomputed_tokens"],
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            free_blocks=e.block_manager.num_free_blocks,
+            total_blocks=e.block_manager.num_blocks,
+            active_request_ids=sorted(self.active_ids()),
+            steps=e.num_steps,
+            **extra,
+        )
 
 
 def kv_layout(engine: LLMEngine) -> BlockLayout:

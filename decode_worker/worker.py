@@ -9,11 +9,10 @@ pool no longer holds are recomputed here, so a pool miss costs time, never corre
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -21,7 +20,7 @@ import grpc
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
-from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
+from kvferry.decode_worker.serving import EngineLoop, EngineWorker, run_worker
 from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.kvpool.transfer import unpack_blocks
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -46,27 +45,20 @@ class Stream:
     sent_first: bool = False
 
 
-class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
+    role = "decode"
+
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
-        self.engine = engine
-        self.pool = pool
-        self.worker_id = worker_id
+        super().__init__(engine, pool, worker_id)
         self.streams: dict[str, Stream] = {}
         self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
         self.tombstones: dict[str, float] = {}  # aborted before their Decode call arrived
-        self.counters: Counter[str] = Counter()
         self.loop = EngineLoop(
             engine, self._on_outputs, idle_hook=self._admit_waiting, on_error=self._fail_all
         )
-        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
 
-    def start(self) -> None:
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
-        self.loop.join(5)
-        self.transfers.shutdown(wait=True)
+    def active_ids(self) -> list[str]:
+        return list(self.streams)
 
     def load(self) -> dict:
         bm = self.engine.block_manager
@@ -95,30 +87,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self.loop.call(lambda: self._abort(request.request_id)))
 
-    def GetWorkerInfo(self, request, context):
-        return worker_info(self.engine, "decode", self.worker_id)
-
-    def GetStats(self, request, context):
-        return self.loop.call(self._stats)
-
     def _stats(self) -> worker_pb2.WorkerStats:
-        e, c = self.engine, self.counters
-        return worker_pb2.WorkerStats(
-            requests=c["requests"],
-            prompt_tokens_computed=c["recomputed_tokens"],
-            pool_hit_tokens=c["pool_hit_tokens"],
-            local_hit_tokens=c["local_hit_tokens"],
-            blocks_pulled=c["blocks_pulled"],
-            running=len(e.scheduler.running),
-            waiting=len(e.scheduler.waiting),
+        return super()._stats(
+            prompt_tokens_computed=self.counters["recomputed_tokens"],
             waiting_for_kv=sum(
                 1 for s in self.streams.values() if s.req.status == RequestStatus.WAITING_FOR_KV
             ),
-            free_blocks=e.block_manager.num_free_blocks,
-            total_blocks=e.block_manager.num_blocks,
-            active_request_ids=sorted(self.streams),
-            steps=e.num_steps,
-            recomputed_tokens=c["recomputed_tokens"],
         )
 
     # -- engine thread --------------------------------------------------------------------------------

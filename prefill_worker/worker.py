@@ -13,9 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -23,7 +21,7 @@ import grpc
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
-from kvferry.decode_worker.serving import EngineLoop, run_worker, worker_info
+from kvferry.decode_worker.serving import EngineLoop, EngineWorker, run_worker
 from kvferry.kvpool.client import PoolClient, PoolError, to_proto
 from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -42,27 +40,18 @@ class Job:
     pool_hit_blocks: int = 0
 
 
-class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
+    role = "prefill"
+
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
-        self.engine = engine
-        self.pool = pool
-        self.worker_id = worker_id
+        super().__init__(engine, pool, worker_id)
         self.jobs: dict[str, Job] = {}
-        self.counters: Counter[str] = Counter()
         self.loop = EngineLoop(engine, self._on_outputs, on_error=self._fail_all)
-        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-put")
         self._pending_puts: list[tuple[Job, dict]] = []
-        self._lock = threading.Lock()
         engine.finish_hook = self._capture
 
-    # -- lifecycle ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
-        self.loop.join(5)
-        self.transfers.shutdown(wait=True)
+    def active_ids(self) -> list[str]:
+        return list(self.jobs)
 
     def load(self) -> dict:
         sched = self.engine.scheduler
@@ -85,28 +74,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         except Exception as err:
             context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
 
-    def GetWorkerInfo(self, request, context):
-        return worker_info(self.engine, "prefill", self.worker_id)
-
-    def GetStats(self, request, context):
-        return self.loop.call(self._stats)
-
     def _stats(self) -> worker_pb2.WorkerStats:
-        e, c = self.engine, self.counters
-        return worker_pb2.WorkerStats(
-            requests=c["requests"],
-            prompt_tokens_computed=c["prompt_tokens_computed"],
-            pool_hit_tokens=c["pool_hit_tokens"],
-            local_hit_tokens=c["local_hit_tokens"],
-            blocks_put=c["blocks_put"],
-            blocks_pulled=c["blocks_pulled"],
-            running=len(e.scheduler.running),
-            waiting=len(e.scheduler.waiting),
-            free_blocks=e.block_manager.num_free_blocks,
-            total_blocks=e.block_manager.num_blocks,
-            active_request_ids=sorted(self.jobs),
-            steps=e.num_steps,
-        )
+        return super()._stats(prompt_tokens_computed=self.counters["prompt_tokens_computed"])
 
     # -- engine thread --------------------------------------------------------------------------------
     def _start(self, job: Job) -> None:
