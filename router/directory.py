@@ -45,7 +45,7 @@ class Directory:
         self.refresh_s = refresh_s
         self.grace_s = grace_s
         self.members: dict[str, dict[str, Member]] = {role: {} for role in ROLES}
-        self.pool_nodes: dict[str, float] = {}  # node id -> last seen
+        self.pool_nodes: dict[str, tuple[str, float]] = {}  # node id -> (address, last seen)
         self.model: worker_pb2.WorkerInfo | None = None
         self._rr = {role: itertools.count() for role in ROLES}
         self._task: asyncio.Task | None = None
@@ -90,9 +90,9 @@ class Directory:
                     await member.channel.close()
         nodes = await asyncio.to_thread(self.meta.members, "pool")
         if nodes is not None:
-            for node_id in nodes:
-                self.pool_nodes[node_id] = now
-            for node_id, seen in list(self.pool_nodes.items()):
+            for node_id, info in nodes.items():
+                self.pool_nodes[node_id] = (info["addr"], now)
+            for node_id, (_, seen) in list(self.pool_nodes.items()):
                 if now - seen > self.grace_s:
                     del self.pool_nodes[node_id]
 

@@ -300,13 +300,10 @@ class Router(generate_pb2_grpc.GenerationServicer):
         await self._release_pool(rid)
 
     async def _release_pool(self, request_id: str) -> None:
-        nodes = await asyncio.to_thread(self.meta.members, "pool") or {}
-        for node_id, info in nodes.items():
-            channel = self.pool_channels.get(info["addr"])
+        for node_id, (addr, _) in list(self.directory.pool_nodes.items()):  # the registry, as last read
+            channel = self.pool_channels.get(addr)
             if channel is None:
-                channel = self.pool_channels[info["addr"]] = grpc.aio.insecure_channel(
-                    info["addr"], options=CHANNEL_OPTIONS
-                )
+                channel = self.pool_channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             try:
                 await pool_pb2_grpc.KVPoolStub(channel).Release(
                     pool_pb2.ReleaseRequest(request_id=request_id), timeout=5
