@@ -64,19 +64,6 @@ class MetadataStore:
             self._down_since = time.monotonic()
             log.warning("redis %s unreachable (%s): treating lookups as misses", self.url, err)
 
-    @property
-    def available(self) -> bool:
-        return self._down_since is None
-
-    def ping(self) -> bool:
-        try:
-            self.client.ping()
-        except redis.RedisError as err:
-            self._failed(err)
-            return False
-        self._ok()
-        return True
-
     def server_id(self) -> str | None:
         """The Redis server's run id (changes when it restarts); None while unreachable."""
         try:
