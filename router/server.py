@@ -190,7 +190,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         status = state.add_token(prefill.first_token_id)
         if status is not None:
             req.status = status
-            handle.aborted = True  # nothing will pull the private tail: release it
+            handle.release_pool = True  # no decode will pull the private tail: release it
             yield self._final(handle, req, state, None, prefill.cached_tokens, timings, t0)
             return
         out = state.emit()

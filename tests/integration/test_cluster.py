@@ -299,3 +299,10 @@ def test_redis_restart_mid_run(client, engine, redis_server, cluster):
     fingerprint = bytes.fromhex(client.model_info().fingerprint)
     keys = block_keys(prompt, BLOCK, fingerprint)
     assert len(meta.lookup_prefix(keys)) == len(prompt) // BLOCK
+
+
+def test_first_token_finish_releases_the_tail(client, members):
+    # a 20-token prompt leaves a private tail block in the pool; max_tokens=1 means no decode pulls it
+    got = client.generate(greedy(random_prompt(50, 20), max_tokens=1, request_id="one-token"), timeout=60)
+    assert got.finished.finish_reason == "length" and got.finished.output_tokens == 1
+    assert_released(members, ["one-token"])
