@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvferry.decode_worker.block_manager import BlockManager
-from kvferry.decode_worker.model_runner import ModelRunner, kv_block_bytes
+from kvferry.decode_worker.model_runner import ModelRunner, StepInputs, kv_block_bytes
 from kvferry.decode_worker.output import Completion, OutputState, RequestOutput
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -26,6 +26,7 @@ from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import ModelConfig, ModelConfigError, generation_eos_ids, resolve_dtype
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
+from kvferry.model.parallel import Parallel
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
 
@@ -43,9 +44,17 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1  # a prefill group's degree (ranks are separate processes)
+    expert_parallel_size: int = 1  # a decode group's degree
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "expert_parallel_size",
+        ):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks"):
@@ -53,6 +62,11 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise EngineConfigError(
+                "tensor_parallel_size and expert_parallel_size cannot both be > 1 in one group "
+                "(prefill groups are tensor-parallel, decode groups expert-parallel)"
+            )
 
 
 class EngineConfigError(ValueError):
@@ -60,8 +74,17 @@ class EngineConfigError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, parallel: Parallel | None = None):
+        """`parallel`: this rank's TP/EP groups, whose sizes must match the config's degrees."""
         cfg.validate()
+        parallel = parallel or Parallel.single()
+        if (parallel.tp_size, parallel.ep_size) != (cfg.tensor_parallel_size, cfg.expert_parallel_size):
+            raise EngineConfigError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size}, expert_parallel_size="
+                f"{cfg.expert_parallel_size} need a group of that many worker processes: serve them with "
+                "`kvferry up` or the worker command (the offline engine runs one process)"
+            )
+        self.parallel = parallel
         settings = load_settings()
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
@@ -75,7 +98,9 @@ class LLMEngine:
         model_cfg = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
-        self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
+        self.model = load_model(
+            self.model_dir, self.dtype, self.device, max_positions=self.max_model_len, parallel=parallel
+        )
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
             dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)
@@ -185,13 +210,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, join: bool = False) -> list[RequestOutput]:
+        """One scheduler step. `join`: run the forward pass even with nothing scheduled (an
+        expert-parallel rank stepping in lock-step with busier ranks)."""
         outputs = [self._finish_output(s) for s in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch.work:
             sampled = self.runner.run(batch)
             outputs += self._update(batch, sampled)
+            self.num_steps += 1
+        elif join:
+            self.runner.execute(StepInputs())
             self.num_steps += 1
         return outputs
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
 from kvferry.decode_worker.request import Request
@@ -10,11 +13,62 @@ from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.decode_mirror import DecodeMirror
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import sample
+from kvferry.v1 import worker_pb2
 
 
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of this rank's cache (its KV heads only under tensor parallelism)."""
     cfg = model.cfg
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+@dataclass
+class StepInputs:
+    """One forward pass, flattened: what a tensor-parallel leader broadcasts to its followers."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_blocks: list[int] = field(default_factory=list)
+    slot_offsets: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(
+        default_factory=list
+    )  # q_start, q_len, ctx, table
+    sample_rows: list[int] = field(default_factory=list)
+
+    def to_proto(self) -> worker_pb2.GroupStep:
+        return worker_pb2.GroupStep(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            slot_blocks=self.slot_blocks,
+            slot_offsets=self.slot_offsets,
+            decode_tables=[b for t in self.decode_tables for b in t],
+            decode_table_lens=[len(t) for t in self.decode_tables],
+            decode_context_lens=self.decode_lens,
+            prefills=[
+                worker_pb2.PrefillPiece(q_start=a, q_len=b, context_len=c, block_table=t)
+                for a, b, c, t in self.prefills
+            ],
+            sample_rows=self.sample_rows,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: worker_pb2.GroupStep) -> StepInputs:
+        flat, tables, pos = list(msg.decode_tables), [], 0
+        for n in msg.decode_table_lens:
+            tables.append(flat[pos : pos + n])
+            pos += n
+        return cls(
+            list(msg.input_ids),
+            list(msg.positions),
+            list(msg.slot_blocks),
+            list(msg.slot_offsets),
+            tables,
+            list(msg.decode_context_lens),
+            [(p.q_start, p.q_len, p.context_len, list(p.block_table)) for p in msg.prefills],
+            list(msg.sample_rows),
+        )
 
 
 class ModelRunner:
@@ -25,48 +79,75 @@ class ModelRunner:
         self.device = device
         dtype = model.embed.dtype
         # [L, 2 (K/V), Hkv, num_blocks, block_size, D]: head-major for batched attention reads
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.mirror = DecodeMirror(cfg.num_layers) if device.type == "cpu" else None
+        tp = model.parallel.tp
+        # the decode mirror follows Request objects, which only a group's leader has
+        self.mirror = DecodeMirror(cfg.num_layers) if device.type == "cpu" and tp.size == 1 else None
+        # tensor-parallel leader: each step's inputs go to the followers before the forward pass
+        self.broadcast_step: Callable[[StepInputs], None] | None = None
 
     def run(self, batch: ScheduledBatch) -> dict[Request, int]:
         """Compute every scheduled token; sample for the requests whose last token was computed."""
         work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
-        ids, positions, slot_blocks, slot_offsets = [], [], [], []
-        decode_reqs, decode_tables, decode_lens, prefills, sample_rows, sampled_reqs = [], [], [], [], [], []
+        step = StepInputs()
+        decode_reqs, sampled_reqs = [], []
         bs = self.block_size
         for req, n in work:
             start = req.num_computed_tokens
-            row = len(ids)
-            ids += req.token_ids(start, n)
-            positions += range(start, start + n)
-            slot_blocks += [req.block_ids[p // bs] for p in range(start, start + n)]
-            slot_offsets += [p % bs for p in range(start, start + n)]
+            row = len(step.input_ids)
+            step.input_ids += req.token_ids(start, n)
+            step.positions += range(start, start + n)
+            step.slot_blocks += [req.block_ids[p // bs] for p in range(start, start + n)]
+            step.slot_offsets += [p % bs for p in range(start, start + n)]
             if n == 1:
                 decode_reqs.append(req)
-                decode_tables.append(req.block_ids)
-                decode_lens.append(start + 1)
+                step.decode_tables.append(req.block_ids)
+                step.decode_lens.append(start + 1)
             else:
-                table = torch.tensor(req.block_ids, dtype=torch.long, device=self.device)
-                prefills.append(PrefillChunk(row, n, start + n, table))
+                step.prefills.append((row, n, start + n, req.block_ids))
             if start + n == req.num_tokens:
-                sample_rows.append(row + n - 1)
+                step.sample_rows.append(row + n - 1)
                 sampled_reqs.append(req)
+        if self.broadcast_step is not None:
+            self.broadcast_step(step)
+        logits = self.execute(step, decode_reqs)
+        if not sampled_reqs:
+            return {}
+        tokens = sample(logits, [r.params.spec for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        return dict(zip(sampled_reqs, tokens, strict=True))
+
+    def execute(self, step: StepInputs, decode_reqs: list[Request] | None = None) -> torch.Tensor | None:
+        """The forward pass (and the logits of `sample_rows`); every rank of a group runs it in step.
+
+        An empty step is a forward over zero tokens: an expert-parallel rank with no sequences still
+        takes part in every layer's all_to_all.
+        """
+        dev = self.device
+        prefills = [
+            PrefillChunk(a, b, c, torch.tensor(t, dtype=torch.long, device=dev))
+            for a, b, c, t in step.prefills
+        ]
         meta = AttentionMetadata.build(
-            slot_blocks, slot_offsets, decode_tables, decode_lens, prefills, self.kv_cache[0, 0]
+            step.slot_blocks,
+            step.slot_offsets,
+            step.decode_tables,
+            step.decode_lens,
+            prefills,
+            self.kv_cache[0, 0],
         )
         if decode_reqs and self.mirror is not None:
             cfg = self.model.cfg
-            if self.mirror.prepare(decode_reqs, decode_lens, cfg.num_kv_heads, cfg.head_dim, self.kv_cache):
+            if self.mirror.prepare(
+                decode_reqs, step.decode_lens, cfg.num_kv_heads, cfg.head_dim, self.kv_cache
+            ):
                 meta.mirror = self.mirror
         hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
             self.kv_cache,
             meta,
         )
-        if not sampled_reqs:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = sample(logits, [r.params.spec for r in sampled_reqs], [r.generator for r in sampled_reqs])
-        return dict(zip(sampled_reqs, tokens, strict=True))
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[step.sample_rows])

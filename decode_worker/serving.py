@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import signal
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from kvferry.decode_worker.engine import EngineConfig, LLMEngine
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
+from kvferry.model.parallel import Comm, Parallel, init_group
 from kvferry.rpc import Heartbeat, hard_exit, service_names, set_serving, start_server
 from kvferry.v1 import worker_pb2
 
@@ -38,12 +46,17 @@ class EngineLoop(threading.Thread):
         on_outputs: Callable,
         idle_hook: Callable[[], bool] | None = None,
         on_error: Callable[[Exception], None] | None = None,
+        sync: Callable[[bool], bool] | None = None,
     ):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
         self.on_outputs = on_outputs
         self.idle_hook = idle_hook  # extra work the loop polls (returns True when it did something)
         self.on_error = on_error  # a step failed: fail the requests in flight (the loop goes on)
+        # lock-step groups: sync(this rank has work) -> any rank has work (a collective every
+        # iteration); then every rank steps, the idle ones with an empty batch
+        self.sync = sync
+        self.idle_wait_s = 0.005 if sync is not None else 0.05
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopped = threading.Event()
@@ -66,9 +79,16 @@ class EngineLoop(threading.Thread):
                     ran = self.idle_hook() or ran
                 except Exception:
                     log.exception("engine idle work failed")
-            if self.engine.has_unfinished():
+            busy = self.engine.has_unfinished()
+            if self.sync is not None:
                 try:
-                    outputs = self.engine.step()
+                    busy = self.sync(busy)
+                except Exception:  # a rank of the group is gone: this one cannot step alone
+                    log.exception("the worker group's lock-step sync failed; exiting")
+                    hard_exit(1)
+            if busy:
+                try:
+                    outputs = self.engine.step(join=self.sync is not None)
                 except Exception as err:
                     log.exception("engine step failed")
                     if self.on_error is not None:
@@ -79,7 +99,7 @@ class EngineLoop(threading.Thread):
                 except Exception:
                     log.exception("delivering engine outputs failed")
             elif not ran:
-                self.wake.wait(0.05)
+                self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
 
     def _drain(self) -> bool:
@@ -109,10 +129,11 @@ class EngineWorker:
 
     role = ""
 
-    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         self.engine = engine
         self.pool = pool
         self.worker_id = worker_id
+        self.group = group or Group(worker_id, 0, 1, Comm.single())
         self.counters: Counter[str] = Counter()
         self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{self.role}")
         self.loop: EngineLoop
@@ -127,6 +148,22 @@ class EngineWorker:
 
     def active_ids(self) -> list[str]:
         raise NotImplementedError
+
+    def leave_group_if_broken(self, err: Exception) -> None:
+        """After a failed step, a rank of a multi-rank group cannot know where the other ranks stand
+        in their collectives: it exits (the others then fail fast and exit too; the router stops
+        routing to the group when its heartbeats stop). A lone worker just goes on."""
+        if self.group.size == 1:
+            return
+        log.error(
+            "step failed in group %s (rank %d): leaving the group: %s",
+            self.group.group_id,
+            self.group.rank,
+            err,
+        )
+        time.sleep(0.5)  # let the handler threads send the failed requests their errors
+        self.group.stop_children(timeout_s=2)
+        hard_exit(1)
 
     def GetWorkerInfo(self, request, context):
         return worker_info(self.engine, self.role, self.worker_id)
@@ -150,6 +187,10 @@ class EngineWorker:
             total_blocks=e.block_manager.num_blocks,
             active_request_ids=sorted(self.active_ids()),
             steps=e.num_steps,
+            group=self.group.group_id,
+            rank=self.group.rank,
+            tensor_parallel_size=e.cfg.tensor_parallel_size,
+            expert_parallel_size=e.cfg.expert_parallel_size,
             **extra,
         )
 
@@ -179,34 +220,144 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     from kvferry.cli import add_engine_args
 
     add_engine_args(p)
-    p.add_argument("--worker-id", default="")
+    p.add_argument("--worker-id", default="", help="the group's id (its ranks register as <id>.r<rank>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--data-parallel-size", type=int, default=None, help="with --enable-expert-parallel")
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM spelling: --data-parallel-size M --enable-expert-parallel = --expert-parallel-size M",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="this process's rank in its group (given by an external launcher such as Ray; without it, "
+        "rank 0 starts the other ranks itself)",
+    )
+    p.add_argument("--dist-init", default="", help="HOST:PORT of the group's TCPStore (hosted by rank 0)")
 
 
-def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[str] | None) -> int:
-    """Parse worker flags, build the engine + pool client, serve until SIGTERM/SIGINT."""
+@dataclass
+class Group:
+    """This process's place in its worker group (a lone worker is a group of one)."""
+
+    group_id: str
+    rank: int
+    size: int
+    comm: Comm
+    children: list[subprocess.Popen] = field(default_factory=list)
+    store: object = None  # the group's TCPStore (hosted by rank 0: kept alive with the group)
+
+    def member_id(self) -> str:
+        return self.group_id if self.size == 1 else f"{self.group_id}.r{self.rank}"
+
+    def stop_children(self, timeout_s: float = 10.0) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(max(0.1, deadline - time.monotonic()))
+            if child.poll() is None:
+                child.kill()
+
+
+def form_group(
+    args, cfg: EngineConfig, role: str, group_id: str, argv: list[str]
+) -> tuple[Group, EngineConfig]:
+    """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
+    from kvferry.deploy.local import die_with_parent, free_port
+
+    size = cfg.tensor_parallel_size * cfg.expert_parallel_size
+    if size == 1:
+        return Group(group_id, 0, 1, Comm.single()), cfg
+    rank = args.rank or 0
+    if not 0 <= rank < size:
+        raise SystemExit(f"--rank {rank} is outside a group of {size}")
+    if cfg.device == "auto" and torch.cuda.is_available():  # one GPU per rank
+        cfg = replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
+    children = []
+    if args.dist_init:
+        host, _, port = args.dist_init.rpartition(":")
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, wait_for_workers=False)
+    else:
+        if args.rank:
+            raise SystemExit("--rank > 0 needs --dist-init HOST:PORT (rank 0's group store)")
+        store = dist.TCPStore(args.host, free_port(args.host), size, is_master=True, wait_for_workers=False)
+        init = f"{args.host}:{store.port}"
+        for r in range(1, size):  # the other ranks: this command again, with their rank
+            cmd = [
+                sys.executable,
+                "-m",
+                f"kvferry.{role}_worker",
+                *argv,
+                "--worker-id",
+                group_id,
+                "--port",
+                "0",
+                "--rank",
+                str(r),
+                "--dist-init",
+                init,
+            ]
+            children.append(subprocess.Popen(cmd, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL))
+    device = torch.device(cfg.device if cfg.device != "auto" else "cpu")
+    log.info("joining group %s as rank %d of %d", group_id, rank, size)
+    comm = init_group(store, group_id, rank, size, device, args.host)
+    return Group(group_id, rank, size, comm, children, store), cfg
+
+
+def run_worker(
+    role: str, make_servicer, add_to_server, descriptor, argv: list[str] | None, follow=None
+) -> int:
+    """Parse worker flags, form the group, build the engine + pool client, serve until SIGTERM/SIGINT.
+
+    `follow(engine, pool, group)`: what a rank > 0 of a tensor-parallel group runs instead of a
+    service (it executes rank 0's commands until told to stop).
+    """
     from kvferry.cli import engine_config_from
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog=f"python -m kvferry.{role}_worker")
     add_worker_args(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     cfg: EngineConfig = engine_config_from(args)
-    engine = LLMEngine(cfg)
+    if args.enable_expert_parallel:
+        cfg = replace(cfg, expert_parallel_size=args.data_parallel_size or cfg.expert_parallel_size)
+    elif args.data_parallel_size not in (None, 1):
+        raise SystemExit("--data-parallel-size > 1 needs --enable-expert-parallel (decode groups are DP+EP)")
+    group_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    group, cfg = form_group(args, cfg, role, group_id, argv)
+    worker_id = group.member_id()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {role} {worker_id} %(levelname)s %(message)s"
+    )
+    comm = group.comm
+    parallel = (
+        Parallel(comm, Comm.single()) if cfg.tensor_parallel_size > 1 else Parallel(Comm.single(), comm)
+    )
+    engine = LLMEngine(cfg, parallel)
     meta = MetadataStore(args.redis_url, args.namespace)
     pool = PoolClient(meta, kv_layout(engine), peer_id=worker_id, host=args.host, device=str(engine.device))
-    servicer = make_servicer(engine, pool, worker_id)
+    if cfg.tensor_parallel_size > 1 and group.rank > 0:
+        try:
+            follow(engine, pool, group)
+        finally:
+            pool.close()
+        hard_exit(0)
+    servicer = make_servicer(engine, pool, worker_id, group)
     names = service_names(descriptor)
     server, port, health = start_server(lambda s: add_to_server(servicer, s), names, args.host, args.port, 64)
     addr = f"{args.host}:{port}"
 
     def info() -> dict:
-        return {"addr": addr, **servicer.load()}
+        return {"addr": addr, "group": group.group_id, "rank": group.rank, **servicer.load()}
 
     heartbeat = Heartbeat(meta, role, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s)
     stop = threading.Event()
@@ -222,6 +373,7 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     heartbeat.stop()
     server.stop(grace=3).wait()
     servicer.stop()
+    group.stop_children()
     pool.close()
     hard_exit(0)
 

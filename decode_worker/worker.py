@@ -10,19 +10,25 @@ pool no longer holds are recomputed here, so a pool miss costs time, never corre
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
+import torch
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
-from kvferry.decode_worker.serving import EngineLoop, EngineWorker, run_worker
+from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
 from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.kvpool.transfer import unpack_blocks
+from kvferry.model.moe import ExpertParallelMoe
+from kvferry.model.parallel import Comm
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,14 +54,35 @@ class Stream:
 class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     role = "decode"
 
-    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
-        super().__init__(engine, pool, worker_id)
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
+        super().__init__(engine, pool, worker_id, group)
         self.streams: dict[str, Stream] = {}
         self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
         self.tombstones: dict[str, float] = {}  # aborted before their Decode call arrived
+        # an expert-parallel rank steps in lock-step with the rest of its group
+        self.lockstep = LockStep(engine, self.group.comm) if self.group.size > 1 else None
         self.loop = EngineLoop(
-            engine, self._on_outputs, idle_hook=self._admit_waiting, on_error=self._fail_all
+            engine,
+            self._on_outputs,
+            idle_hook=self._admit_waiting,
+            on_error=self._fail_all,
+            sync=self.lockstep,
         )
+        if self.lockstep is not None:
+            self.lockstep.on_group_stop = self._group_stopped
+
+    def stop(self) -> None:
+        if self.lockstep is not None:  # stop together: the next sync tells every rank
+            self.lockstep.stopping = True
+            self.loop.wake.set()
+            self.loop.join(10)
+        super().stop()
+
+    def _group_stopped(self) -> None:
+        """Engine thread: a rank announced it is stopping, so the whole group stops stepping now."""
+        self.loop.stopped.set()
+        if not self.lockstep.stopping:  # another rank started it: shut this process down too
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def active_ids(self) -> list[str]:
         return list(self.streams)
@@ -89,6 +116,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _stats(self) -> worker_pb2.WorkerStats:
         return super()._stats(
+            expert_load=self.lockstep.expert_load() if self.lockstep is not None else None,
             prompt_tokens_computed=self.counters["recomputed_tokens"],
             waiting_for_kv=sum(
                 1 for s in self.streams.values() if s.req.status == RequestStatus.WAITING_FOR_KV
@@ -214,6 +242,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             self.engine.abort(request_id)
             self.streams.pop(request_id, None)
             stream.out.put(RuntimeError(f"engine step failed: {err}"))
+        self.leave_group_if_broken(err)
 
     def _finish(self, stream: Stream, reason: str) -> None:
         self.streams.pop(stream.request.request_id, None)
@@ -237,6 +266,52 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         else:
             self.engine.abort(request_id)
         return True
+
+
+class LockStep:
+    """The per-iteration sync of an expert-parallel group, and the group's expert-load figures.
+
+    Every engine-loop iteration each rank all-gathers [has work, seconds in its experts, token
+    assignments per local expert per MoE layer]; if any rank has work, all of them step (an idle
+    rank with an empty batch, so every MoE layer's all_to_all has all ranks). The same exchange
+    gives every rank the whole group's expert load, so any rank's GetStats can report it.
+    """
+
+    HEADER = 3  # has work, stopping, expert seconds
+
+    def __init__(self, engine: LLMEngine, comm: Comm):
+        self.comm = comm
+        self.moe = [layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, ExpertParallelMoe)]
+        self.num_local = self.moe[0].w13.shape[0] if self.moe else 0
+        self.view = torch.zeros(comm.size, self.HEADER + len(self.moe) * self.num_local, dtype=torch.float64)
+        self.stopping = False  # this rank is shutting down (it tells the others in the next sync)
+        self.on_group_stop: Callable[[], None] | None = None
+
+    def __call__(self, has_work: bool) -> bool:
+        mine = [float(has_work), float(self.stopping), sum(m.load.seconds for m in self.moe)]
+        for m in self.moe:
+            mine += m.load.token_counts()
+        self.view = torch.stack(self.comm.all_gather(torch.tensor(mine, dtype=torch.float64), cpu=True))
+        if self.view[:, 1].any():  # a rank is stopping: no rank steps again
+            if self.on_group_stop is not None:
+                self.on_group_stop()
+            return False
+        return bool(self.view[:, 0].any())
+
+    def expert_load(self) -> worker_pb2.ExpertLoad:
+        view, n = self.view, self.num_local
+        tokens = view[:, self.HEADER :].view(self.comm.size, len(self.moe), n)  # [rank, layer, expert]
+        moe_ms = (view[:, 2] * 1e3).tolist()
+        peak = max(moe_ms)
+        return worker_pb2.ExpertLoad(
+            layers=[
+                worker_pb2.LayerExpertTokens(tokens=[int(t) for t in tokens[:, layer].flatten().tolist()])
+                for layer in range(len(self.moe))
+            ],
+            rank_tokens=[int(t) for t in tokens.sum(dim=(1, 2)).tolist()],
+            rank_moe_ms=moe_ms,
+            balance=sum(moe_ms) / len(moe_ms) / peak if peak > 0 else 1.0,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

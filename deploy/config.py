@@ -7,9 +7,11 @@ namespace: default     # Redis key prefix (several clusters can share one Redis)
 redis_url: null        # null: `kvferry up` starts its own redis-server
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256}
 pool: {nodes: 1, memory_gib: 1.0}
-prefill: {replicas: 1, max_num_batched_tokens: 2048, kv_cache_memory_gib: 0.5}
-decode: {replicas: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
+prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 2048, kv_cache_memory_gib: 0.5}
+decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
 ```
+A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_size` (decode) processes.
+`prefill` and `decode` also take a list of such mappings: groups of different degrees side by side.
 `prefill` and `decode` take every engine flag of `kvferry generate` (snake_case).
 """
 
@@ -57,32 +59,65 @@ class ClusterConfig:
     redis_url: str | None = None
     router: RouterSettings = RouterSettings()
     pool: PoolSettings = PoolSettings()
-    prefill: WorkerGroupSettings = WorkerGroupSettings()
-    decode: WorkerGroupSettings = WorkerGroupSettings()
+    # one group kind per role, or several (a list in YAML): e.g. TP=2 and TP=1 prefill groups side by side
+    prefill: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
+    decode: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     startup_timeout_s: float = 180.0
 
     def validate(self) -> None:
-        for name, value in (
-            ("prefill.replicas", self.prefill.replicas),
-            ("decode.replicas", self.decode.replicas),
-            ("pool.nodes", self.pool.nodes),
-        ):
-            if value < 1:
-                raise ClusterConfigError(f"{name} must be >= 1, got {value}")
+        for role in ("prefill", "decode"):
+            for settings in self.groups(role):
+                if settings.replicas < 1:
+                    raise ClusterConfigError(f"{role}.replicas must be >= 1, got {settings.replicas}")
+        if self.pool.nodes < 1:
+            raise ClusterConfigError(f"pool.nodes must be >= 1, got {self.pool.nodes}")
         if self.pool.memory_gib <= 0:
             raise ClusterConfigError(f"pool.memory_gib must be > 0, got {self.pool.memory_gib}")
         if not 0 <= self.router.port < 65536:
             raise ClusterConfigError(f"router.port must be in [0, 65535], got {self.router.port}")
         for group in ("prefill", "decode"):
-            settings: WorkerGroupSettings = getattr(self, group)
-            unknown = set(settings.engine) - _ENGINE_FIELDS
-            if unknown:
-                raise ClusterConfigError(f"{group}: unknown engine setting(s) {sorted(unknown)}")
-            EngineConfig(**settings.engine).validate()
+            for settings in self.groups(group):
+                unknown = set(settings.engine) - _ENGINE_FIELDS
+                if unknown:
+                    raise ClusterConfigError(f"{group}: unknown engine setting(s) {sorted(unknown)}")
+                EngineConfig(**settings.engine).validate()
+                if group == "prefill" and settings.engine.get("expert_parallel_size", 1) != 1:
+                    raise ClusterConfigError(
+                        "prefill.expert_parallel_size: prefill groups are tensor-parallel "
+                        "(tensor_parallel_size); experts are split along their intermediate dimension there"
+                    )
+                if group == "decode" and settings.engine.get("tensor_parallel_size", 1) != 1:
+                    raise ClusterConfigError(
+                        "decode.tensor_parallel_size: decode groups are data-parallel attention + "
+                        "expert-parallel MoE (expert_parallel_size)"
+                    )
 
-    def engine_config(self, group: str) -> EngineConfig:
-        settings: WorkerGroupSettings = getattr(self, group)
+    def groups(self, role: str) -> tuple[WorkerGroupSettings, ...]:
+        value = getattr(self, role)
+        return value if isinstance(value, tuple) else (value,)
+
+    def engine_config(self, role: str, index: int = 0) -> EngineConfig:
+        settings = self.groups(role)[index]
         return EngineConfig(model=self.model, dtype=self.dtype, **settings.engine)
+
+    def group_size(self, role: str, index: int = 0) -> int:
+        """Processes in one replica of a group (its TP or EP degree)."""
+        engine = self.engine_config(role, index)
+        return engine.tensor_parallel_size * engine.expert_parallel_size
+
+    def members(self, role: str) -> int:
+        """Registry entries the role will have: one per prefill group, one per decode rank."""
+        return sum(
+            s.replicas * (self.group_size(role, i) if role == "decode" else 1)
+            for i, s in enumerate(self.groups(role))
+        )
+
+    def processes(self) -> int:
+        return sum(
+            s.replicas * self.group_size(role, i)
+            for role in ("prefill", "decode")
+            for i, s in enumerate(self.groups(role))
+        )
 
     def with_overrides(self, **values) -> ClusterConfig:
         """Apply CLI flags (None = not given) on top of the file's values."""
@@ -92,12 +127,22 @@ class ClusterConfig:
             cfg = replace(cfg, router=replace(cfg.router, port=values["port"]))
         if values.get("host") is not None:
             cfg = replace(cfg, router=replace(cfg.router, host=values["host"]))
+        for group, key in (
+            ("prefill", "prefill_tensor_parallel_size"),
+            ("decode", "decode_expert_parallel_size"),
+        ):
+            if values.get(key) is not None:
+                degree = {key.split("_", 1)[1]: values[key]}
+                cfg = cfg._each(group, lambda s, d=degree: replace(s, engine={**s.engine, **d}))
         for group in ("prefill", "decode"):
             if values.get(f"{group}_replicas") is not None:
-                cfg = replace(
-                    cfg, **{group: replace(getattr(cfg, group), replicas=values[f"{group}_replicas"])}
-                )
+                count = values[f"{group}_replicas"]
+                cfg = cfg._each(group, lambda s, n=count: replace(s, replicas=n))
         return cfg
+
+    def _each(self, role: str, fn) -> ClusterConfig:
+        changed = tuple(fn(s) for s in self.groups(role))
+        return replace(self, **{role: changed if isinstance(getattr(self, role), tuple) else changed[0]})
 
 
 def load_cluster_config(path: Path | None) -> ClusterConfig:
@@ -124,12 +169,21 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
             kwargs[name] = _section(cls, raw.pop(name) or {}, name)
     for group in ("prefill", "decode"):
         if group in raw:
-            section = dict(raw.pop(group) or {})
-            replicas = section.pop("replicas", 1)
-            kwargs[group] = WorkerGroupSettings(replicas=replicas, engine=section)
+            section = raw.pop(group) or {}
+            if isinstance(section, list):  # several groups of this role, e.g. of different degrees
+                kwargs[group] = tuple(_group(dict(item or {}), group) for item in section)
+            else:
+                kwargs[group] = _group(dict(section), group)
     cfg = ClusterConfig(**raw, **kwargs)
     cfg.validate()
     return cfg
+
+
+def _group(section: dict, role: str) -> WorkerGroupSettings:
+    if not isinstance(section, dict):
+        raise ClusterConfigError(f"{role}: expected a mapping (or a list of mappings)")
+    replicas = section.pop("replicas", 1)
+    return WorkerGroupSettings(replicas=replicas, engine=section)
 
 
 def _section(cls, values: dict, name: str):

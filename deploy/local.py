@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import shutil
 import signal
@@ -35,7 +36,7 @@ from kvferry.settings import load_settings
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when the launcher dies, however it dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -107,7 +108,7 @@ class LocalCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env={**os.environ, **(env or {})},
             )
         child = Child(name, proc, log)
@@ -158,23 +159,16 @@ class LocalCluster:
                     str(slots),
                 ],
             )
-        threads = str(max(1, (os.cpu_count() or 1) // (cfg.prefill.replicas + cfg.decode.replicas)))
+        threads = str(max(1, (os.cpu_count() or 1) // cfg.processes()))
         env = {} if os.environ.get("KVFERRY_NUM_THREADS") else {"KVFERRY_NUM_THREADS": threads}
         for group in ("prefill", "decode"):
-            engine_args = engine_flags(replace(cfg.engine_config(group), model=str(model_dir)))
-            for i in range(getattr(cfg, group).replicas):
-                self._spawn(
-                    f"{group}-{i}",
-                    [
-                        *py,
-                        f"kvferry.{group}_worker",
-                        "--worker-id",
-                        f"{group}-{i}",
-                        *common,
-                        *engine_args,
-                    ],
-                    env,
-                )
+            names = itertools.count()
+            for index, settings in enumerate(cfg.groups(group)):
+                engine_args = engine_flags(replace(cfg.engine_config(group, index), model=str(model_dir)))
+                for _ in range(settings.replicas):
+                    name = f"{group}-{next(names)}"
+                    argv = [*py, f"kvferry.{group}_worker", "--worker-id", name, *common, *engine_args]
+                    self._spawn(name, argv, env)
         port = cfg.router.port or free_port(host)
         self._spawn(
             "router",
@@ -203,7 +197,8 @@ class LocalCluster:
         from kvferry.router.client import Client
 
         cfg = self.cfg
-        want = (cfg.prefill.replicas, cfg.decode.replicas, cfg.pool.nodes)
+        # a prefill group registers once (rank 0 serves it), a decode group once per rank
+        want = (cfg.members("prefill"), cfg.members("decode"), cfg.pool.nodes)
         last = None
         with Client(self.router_addr) as client:
             while True:

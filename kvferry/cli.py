@@ -68,6 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
     p.add_argument("--engine-seed", type=int, default=d.seed, help="seed for requests that give none")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, help="ranks of a prefill group"
+    )
+    p.add_argument(
+        "--expert-parallel-size", type=int, default=d.expert_parallel_size, help="ranks of a decode group"
+    )
 
 
 def engine_config_from(args) -> EngineConfig:
@@ -259,6 +265,12 @@ def _up_parser(sub) -> None:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--prefill-replicas", type=int, default=None)
     up.add_argument("--decode-replicas", type=int, default=None)
+    up.add_argument(
+        "--prefill-tensor-parallel-size", type=int, default=None, help="ranks per prefill group (TP)"
+    )
+    up.add_argument(
+        "--decode-expert-parallel-size", type=int, default=None, help="ranks per decode group (EP)"
+    )
     up.add_argument("--log-dir", type=Path, default=None, help="component logs (default: a temp dir)")
     up.add_argument(
         "--prompt", help="one-shot: stream this prompt's completion through the cluster, then stop"
@@ -278,6 +290,8 @@ def _cmd_up(args) -> int:
         port=args.port,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_expert_parallel_size=args.decode_expert_parallel_size,
         decode_replicas=args.decode_replicas,
     )
     cluster = LocalCluster(cfg, log_dir=args.log_dir)

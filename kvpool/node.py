@@ -123,6 +123,7 @@ class PoolNodeConfig:
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
     private_ttl_s: float = 120.0
+    assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
     transfer_timeout_s: float = 60.0
 
 
@@ -140,6 +141,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.leases: Counter[str] = Counter()
         self.counters = Counter()
         self.lock = threading.Lock()
+        self.assembled = threading.Condition(self.lock)  # a block got its last KV-head slice
         self.peers: dict[str, Peer] = {}
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True, wait_for_workers=False)
@@ -244,7 +246,10 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         republish: list[Location] = []  # a writer found it missing in Redis: the entry was lost
         with self.lock:
             for block in request.blocks:
-                slot = None if block.private else self._existing(block.key)
+                # a key being written already (another rank's head slice of it) is joined, not re-made
+                slot = self._existing(block.key)
+                if slot is not None and block.private and slot.request_id != request.request_id:
+                    slot = None  # never write into another request's private block
                 if slot is not None and slot.state == SlotState.PUBLISHED:
                     targets.append(None)  # already complete here: drop the bytes on arrival
                     republish.append(Location(slot.key, self.node_id, slot.index, slot.generation))
@@ -255,10 +260,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                         slot.key = block.key
                         slot.state = SlotState.WRITING
                         slot.request_id = request.request_id if block.private else ""
-                        if not block.private:
-                            self.index[block.key] = slot.index
-                        else:
-                            slot.expires = time.monotonic() + self.cfg.private_ttl_s
+                        self.index[block.key] = slot.index  # private keys: only while being written
+                        slot.expires = time.monotonic() + self.cfg.private_ttl_s
                 if slot is not None:
                     slot.writers += 1  # pinned (no release, no eviction) until this put is done
                 targets.append(slot)
@@ -300,28 +303,50 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                         self.lru[slot.index] = None
             context.abort(grpc.StatusCode.UNAVAILABLE, f"receiving {n} blocks failed: {err}")
         publish, reply = [], pool_pb2.PutResponse()
+        gens = [None if slot is None else slot.generation for slot in targets]
         with self.lock:
             for block, slot in zip(request.blocks, targets, strict=True):
                 if slot is None:
-                    existing = self._existing(block.key)
-                    reply.locations.append(
-                        self._location(existing)
-                        if existing is not None
-                        else pool_pb2.BlockLocation(key=block.key)
-                    )
                     continue
                 slot.writers -= 1
                 slot.heads_written |= mask
                 if slot.heads_written == self.all_heads and slot.state == SlotState.WRITING:
+                    self.assembled.notify_all()
                     if block.private:
                         slot.state = SlotState.PRIVATE
+                        if self.index.get(slot.key) == slot.index:
+                            del self.index[slot.key]
                     else:
                         slot.state = SlotState.PUBLISHED
                         publish.append(Location(slot.key, self.node_id, slot.index, slot.generation))
                 if slot.state == SlotState.PUBLISHED and slot.writers == 0 and slot.leases == 0:
                     self.lru[slot.index] = None  # evictable only once nobody writes or reads it
-                reply.locations.append(self._location(slot))
+                if slot.state == SlotState.WRITING and slot.writers == 0:
+                    slot.expires = time.monotonic() + self.cfg.assemble_timeout_s  # the other slices'
             self.counters["blocks_in"] += len(rows)
+            # a block is usable only once every KV head is in: a tensor-parallel writer's reply waits
+            # for the other ranks' slices, so whoever answers with these locations can trust them
+            deadline = time.monotonic() + self.cfg.assemble_timeout_s
+            while any(
+                slot is not None and slot.state == SlotState.WRITING and slot.generation == gen
+                for slot, gen in zip(targets, gens, strict=True)
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.assembled.wait(left)
+            for block, slot, gen in zip(request.blocks, targets, gens, strict=True):
+                if slot is None:  # the key was complete here already
+                    slot, gen = self._existing(block.key), None
+                complete = (
+                    slot is not None
+                    and slot.state in (SlotState.PUBLISHED, SlotState.PRIVATE)
+                    and slot.key == block.key
+                    and gen in (None, slot.generation)
+                )
+                reply.locations.append(
+                    self._location(slot) if complete else pool_pb2.BlockLocation(key=block.key)
+                )
         publish += republish
         if publish:
             self.outbox.put(("publish", publish))  # off the transfer path; a reader never needs it sooner
@@ -457,7 +482,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         with self.lock:
             for slot in self.slots:
                 if (
-                    slot.request_id
+                    (slot.request_id or slot.state == SlotState.WRITING)  # private, or never completed
                     and slot.state in (SlotState.PRIVATE, SlotState.WRITING)
                     and slot.leases == slot.writers == 0
                     and slot.expires < now

@@ -12,6 +12,7 @@ from torch import nn
 
 from kvferry.model.config import ModelConfig, ModelConfigError
 from kvferry.model.layers import RotaryEmbedding
+from kvferry.model.parallel import Parallel, ParallelConfigError, TPShard, check_ep, check_tp
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,20 +49,28 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    parallel: Parallel | None = None,
 ) -> Qwen3MoeModel:
+    """Load the checkpoint; with `parallel`, only this rank's shard of each tensor is materialised."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    parallel = parallel or Parallel.single()
+    check_tp(cfg, parallel.tp_size)
+    check_ep(cfg, parallel.ep_size)
+    if parallel.tp_size > 1 and parallel.ep_size > 1:
+        raise ParallelConfigError("a group is either tensor-parallel or expert-parallel, not both")
     reader = CheckpointReader(model_dir)
     # parameters start on the meta device and are materialised one at a time, straight in the target
     # dtype and device: peak memory is the model plus one tensor, not a float32 copy of everything
     with torch.device("meta"):
-        model = Qwen3MoeModel(cfg, max_positions)
+        model = Qwen3MoeModel(cfg, max_positions, parallel)
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
     model.rotary.to(device)
     params = dict(model.named_parameters())
+    split = _Split(cfg, parallel)
     for name, build in _weight_plan(cfg, reader).items():
         target = params.pop(name)
-        tensor = build().to(dtype)
+        tensor = split(name, build()).to(dtype)
         if name.split(".")[-1] in _INPUT_MAJOR:
             tensor = tensor.mT
         if tensor.shape != target.shape:
@@ -72,6 +81,50 @@ def load_model(
     if params:
         raise ModelConfigError(f"no checkpoint tensors for {sorted(params)[:4]}")
     return model.eval()
+
+
+class _Split:
+    """This rank's part of a full HF-layout tensor (out-major, before the [in, out] transpose)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel):
+        tp = parallel.tp
+        self.cfg, self.tp_size, self.ep = cfg, tp.size, parallel.ep
+        self.shard = TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads)
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        leaf = name.split(".")[-1]
+        if self.ep.size > 1 and leaf in ("w13", "w2") and t.dim() == 3:  # experts: this rank's range
+            per = t.shape[0] // self.ep.size
+            return t[self.ep.rank * per : (self.ep.rank + 1) * per]
+        if self.tp_size == 1:
+            return t
+        s, cfg = self.shard, self.cfg
+        if leaf in ("embed", "lm_head"):  # vocab rows, padded to an equal share per rank
+            first, rows = s.vocab(cfg.vocab_size)
+            part = t[first : first + rows]
+            if part.shape[0] < rows:
+                part = torch.cat((part, part.new_zeros(rows - part.shape[0], t.shape[1])))
+            return part
+        d = cfg.head_dim
+        if leaf == "qkv":
+            q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            heads, kv = s.heads, s.kv_heads
+            return torch.cat(
+                (
+                    q[heads.start * d : heads.stop * d],
+                    k[kv.start * d : kv.stop * d],
+                    v[kv.start * d : kv.stop * d],
+                )
+            )
+        if leaf == "o":
+            return t[:, s.heads.start * d : s.heads.stop * d]
+        if leaf == "w13":  # [.., 2I, H]: gate rows then up rows, each split the same way
+            gate, up = t.chunk(2, dim=-2)
+            cols = s.columns(gate.shape[-2])
+            return torch.cat((gate[..., cols, :], up[..., cols, :]), dim=-2)
+        if leaf == "w2":  # [.., H, I]
+            return t[..., s.columns(t.shape[-1])]
+        return t  # norms, router: replicated
 
 
 def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[], torch.Tensor]]:

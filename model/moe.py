@@ -6,9 +6,13 @@ contiguous [in, out] matrix is up to 5x faster than `F.linear` for the small row
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvferry.model.parallel import Comm
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -62,6 +66,8 @@ def experts_forward(
     counts = torch.bincount(local.clamp(-1, num_local).add(1), minlength=num_local + 2)[1:-1]
     # one host sync: assignments to lower-numbered remote experts (they sort first), local ones, widest expert
     begin, num_sel, width = torch.stack(((local < 0).sum(), counts.sum(), counts.max())).tolist()
+    if num_sel == 0:  # none of these tokens chose a local expert (or there are no tokens)
+        return torch.zeros_like(x)
     sel = order[begin : begin + num_sel]  # local assignments, grouped by expert
     token, scale = sel // top_k, weights.flatten()[sel, None]
     if x.shape[0] <= PADDED_MAX_TOKENS and width * num_local <= 2 * sel.numel():
@@ -103,3 +109,89 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, self.renormalize)
         return experts_forward(x, ids, weights, self.w13, self.w2)
+
+
+class ExpertLoad:
+    """What one rank's expert-parallel MoE layer did: assignments per local expert, seconds computing."""
+
+    def __init__(self, num_local: int):
+        self.num_local = num_local
+        self.tokens: torch.Tensor | None = None  # [num_local] int64, made on first use (on x's device)
+        self.seconds = 0.0
+
+    def add(self, counts: torch.Tensor, seconds: float) -> None:
+        self.tokens = counts if self.tokens is None else self.tokens + counts
+        self.seconds += seconds
+
+    def token_counts(self) -> list[int]:
+        return [0] * self.num_local if self.tokens is None else self.tokens.tolist()
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    comm: Comm,
+    load: ExpertLoad | None = None,
+) -> torch.Tensor:
+    """Expert-parallel MoE: send each token to the ranks owning its chosen experts, combine the results.
+
+    x: [T, H] this rank's tokens (T may be 0: the rank still takes part); ids, weights: [T, k] the
+    router's choices; w13/w2: this rank's experts, global ids rank*E_local.. (rank+1)*E_local-1.
+    A token goes once to each rank that owns at least one of its k experts, carrying all k ids and
+    weights; that rank applies its own experts (weighted) and sends back one partial sum, which the
+    source adds up. Four all_to_all per layer: counts, token rows, their (ids, weights), results.
+    """
+    num_tokens, top_k = ids.shape
+    ranks, num_local = comm.size, w13.shape[0]
+    needs = torch.zeros(num_tokens, ranks, dtype=torch.bool, device=x.device)
+    needs.scatter_(1, ids // num_local, True)
+    pairs = needs.t().nonzero()  # (rank, token), grouped by destination rank
+    token = pairs[:, 1]
+    send_counts = needs.sum(0)
+    recv_counts = torch.empty_like(send_counts)
+    ones = [1] * ranks
+    comm.all_to_all(recv_counts, send_counts, ones, ones)
+    counts = torch.cat((send_counts, recv_counts)).tolist()  # one host sync for both
+    send_splits, recv_splits = counts[:ranks], counts[ranks:]
+    num_recv = sum(recv_splits)
+    recv_x = x.new_empty(num_recv, x.shape[1])
+    comm.all_to_all(recv_x, x[token], recv_splits, send_splits)
+    meta = torch.cat((ids[token].float(), weights[token].float()), dim=1)  # ids are exact in float32
+    recv_meta = meta.new_empty(num_recv, 2 * top_k)
+    comm.all_to_all(recv_meta, meta, recv_splits, send_splits)
+    recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
+    first = comm.rank * num_local
+    started = time.perf_counter()
+    partial = experts_forward(recv_x, recv_ids, recv_weights, w13, w2, first)
+    if load is not None:
+        local = (recv_ids - first).flatten()
+        mine = (local >= 0) & (local < num_local)
+        load.add(torch.bincount(local[mine], minlength=num_local), time.perf_counter() - started)
+    back = x.new_empty(token.shape[0], x.shape[1])
+    comm.all_to_all(back, partial, send_splits, recv_splits)
+    return torch.zeros_like(x).index_add_(0, token, back)
+
+
+class ExpertParallelMoe(nn.Module):
+    """The MoE block with experts partitioned across an EP group (router and top-k as SparseMoeBlock)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool, comm: Comm
+    ):
+        super().__init__()
+        num_local = num_experts // comm.size
+        self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_local, hidden, 2 * intermediate), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_local, intermediate, hidden), requires_grad=False)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.comm = comm
+        self.first_expert = comm.rank * num_local
+        self.load = ExpertLoad(num_local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.router, self.top_k, self.renormalize)
+        return dispatch_combine(x, ids, weights, self.w13, self.w2, self.comm, self.load)

@@ -9,19 +9,22 @@ from torch import nn
 from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
 from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm
-from kvferry.model.moe import DenseMLP, SparseMoeBlock
+from kvferry.model.moe import DenseMLP, ExpertParallelMoe, SparseMoeBlock
+from kvferry.model.parallel import Parallel, TPShard
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # weights are [in, out] (see moe.py)
+        # this rank's heads (all of them unless tensor-parallel)
+        self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
+        self.head_dim = d = cfg.head_dim
+        # weights are [in, out] (see moe.py); qkv is column-parallel, o row-parallel
         self.qkv = nn.Parameter(
-            torch.empty(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), requires_grad=False
+            torch.empty(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d), requires_grad=False
         )
-        self.o = nn.Parameter(torch.empty(cfg.q_size, cfg.hidden_size), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(self.num_heads * d, cfg.hidden_size), requires_grad=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
@@ -43,39 +46,57 @@ class Attention(nn.Module):
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         write_kv(kv[0], kv[1], k, v, meta)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
-        return out.reshape(t, -1) @ self.o
+        return out.reshape(t, hq * d) @ self.o
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: Parallel):
         super().__init__()
+        tp, ep = parallel.tp, parallel.ep
+        self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, layer, TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads))
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer):
-            self.mlp: nn.Module = SparseMoeBlock(
+        self.mlp_partial = tp.size > 1  # each rank's MLP output is a partial sum to all-reduce
+        if cfg.is_moe_layer(layer) and ep.size > 1:
+            self.mlp: nn.Module = ExpertParallelMoe(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
                 cfg.num_experts,
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
+                ep,
+            )
+            self.mlp_partial = False
+        elif cfg.is_moe_layer(layer):  # under TP every expert is split along its intermediate dim
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size // tp.size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
             )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size)
 
     def forward(self, x, rope, kv, meta) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        x = x + self.tp.all_reduce(self.attn(self.input_norm(x), rope, kv, meta))
+        out = self.mlp(self.post_attn_norm(x))
+        return x + (self.tp.all_reduce(out) if self.mlp_partial else out)
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.parallel = parallel = parallel or Parallel.single()
+        tp = parallel.tp
+        self.shard = TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads)
+        self.vocab_first, vocab_rows = self.shard.vocab(cfg.vocab_size)  # vocab-parallel under TP
+        self.embed = nn.Parameter(torch.empty(vocab_rows, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, vocab_rows), requires_grad=False)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
         )
@@ -89,7 +110,7 @@ class Qwen3MoeModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, Hkv, num_blocks, block_size, D]. Returns [T, H]."""
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x = layer(x, rope, (k_cache, v_cache), meta)
@@ -97,5 +118,21 @@ class Qwen3MoeModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> float32 logits [N, V]."""
-        return (hidden @ self.lm_head).float()
+        """hidden: [N, H] -> float32 logits [N, V] (every TP rank takes part; all get the logits)."""
+        local = (hidden @ self.lm_head).float()
+        if self.parallel.tp.size == 1:
+            return local
+        return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return len(self.shard.kv_heads)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tp = self.parallel.tp
+        if tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        return tp.all_reduce(x.masked_fill_(outside[:, None], 0))

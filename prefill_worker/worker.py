@@ -17,13 +17,18 @@ import time
 from dataclasses import dataclass, field, replace
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.engine import LLMEngine
+from kvferry.decode_worker.model_runner import StepInputs
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
-from kvferry.decode_worker.serving import EngineLoop, EngineWorker, run_worker
-from kvferry.kvpool.client import PoolClient, PoolError, to_proto
+from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
+from kvferry.kvpool.client import PoolClient, PoolError, from_proto, to_proto
 from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
+from kvferry.model.parallel import Comm
+from kvferry.rpc import hard_exit
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,12 +48,31 @@ class Job:
 class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str):
-        super().__init__(engine, pool, worker_id)
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
+        super().__init__(engine, pool, worker_id, group)
         self.jobs: dict[str, Job] = {}
         self.loop = EngineLoop(engine, self._on_outputs, on_error=self._fail_all)
         self._pending_puts: list[tuple[Job, dict]] = []
         engine.finish_hook = self._capture
+        kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
+        self.heads = (kv.start, kv.stop)
+        if self.group.size > 1:  # tensor-parallel leader: the followers run each step with us
+            engine.runner.broadcast_step = lambda step: self._command(
+                worker_pb2.GroupCommand(step=step.to_proto())
+            )
+
+    def _command(self, cmd: worker_pb2.GroupCommand) -> None:
+        """Send a command to the group's other ranks (they execute commands in this order)."""
+        try:
+            self.group.comm.broadcast_bytes(cmd.SerializeToString())
+        except Exception:  # a rank is gone: the group cannot compute any more
+            log.exception("tensor-parallel group %s lost a rank; exiting", self.group.group_id)
+            hard_exit(1)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.group.size > 1:
+            self._command(worker_pb2.GroupCommand(stop=True))
 
     def active_ids(self) -> list[str]:
         return list(self.jobs)
@@ -110,6 +134,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             self._drop(request_id)
             if not job.future.done():
                 job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
+        self.leave_group_if_broken(err)
 
     def _pull_prefix(self, job: Job) -> None:
         req, bm = job.req, self.engine.block_manager
@@ -127,16 +152,22 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         reserved = bm.reserve(len(locations))
         if reserved is None:
             return
-        cache = self.engine.runner.kv_cache
-
-        def land(first: int, data) -> None:
-            unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
-
+        if self.group.size > 1:
+            pull = worker_pb2.GroupPull(
+                request_id=req.request_id, blocks=[to_proto(x) for x in locations], block_ids=reserved
+            )
+            self._command(worker_pb2.GroupCommand(pull=pull))
+        error, n = None, 0
         try:
-            n = self.pool.get_into(req.request_id, locations, land)
-        except Exception:
+            n = pull_slice(
+                self.pool, self.engine.runner.kv_cache, req.request_id, locations, reserved, self.heads
+            )
+        except Exception as err:
+            error = err
+        n = group_min(self.group.comm, n)  # a block counts only if every rank got its slice
+        if error is not None:
             bm.release(reserved)
-            raise
+            raise error
         for block_id, key in zip(reserved[:n], rest, strict=False):
             bm.register(block_id, key)
         bm.release(reserved[n:])
@@ -173,7 +204,24 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             write.append(num_full)
         keys = [full_keys[i] if i < num_full else os.urandom(16) for i in write]
         private = [i == num_full for i in write]
-        data = pack_blocks(self.engine.runner.kv_cache, [req.block_ids[i] for i in write]) if write else None
+        block_ids = [req.block_ids[i] for i in write]
+        data = pack_blocks(self.engine.runner.kv_cache, block_ids) if write else None
+        node_id = None
+        if write and self.group.size > 1:  # every rank sends its slice of the blocks to one node
+            try:
+                node_id = self.pool.pick_node()
+            except PoolError as err:
+                log.warning("no pool node for %s: %s", req.request_id, err)
+                write, keys, private, data = [], [], [], None
+            else:
+                put = worker_pb2.GroupPut(
+                    request_id=req.request_id,
+                    node_id=node_id,
+                    keys=keys,
+                    private=private,
+                    block_ids=block_ids,
+                )
+                self._command(worker_pb2.GroupCommand(put=put))
         cached = req.num_cached_tokens
         pool_hits = min(job.pool_hit_blocks * bs, cached)
         self.counters["requests"] += 1
@@ -187,6 +235,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             "keys": keys,
             "private": private,
             "data": data,
+            "node_id": node_id,
             "cached": cached,
             "computed": req.num_prompt_tokens - cached,
             "prefill_done": time.perf_counter(),
@@ -200,7 +249,14 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             self._answer(job, plan, [], started)
             return
         try:
-            pending = self.pool.put_async(job.req.request_id, plan["keys"], plan["data"], plan["private"])
+            pending = self.pool.put_async(
+                job.req.request_id,
+                plan["keys"],
+                plan["data"],
+                plan["private"],
+                plan["node_id"],
+                *self.heads,
+            )
         except Exception as err:  # whatever went wrong, the request is answered (its KV will be recomputed)
             log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
             self._answer(job, plan, [None] * len(plan["write"]), started)
@@ -259,6 +315,70 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job.holder = []
 
 
+def pull_slice(pool: PoolClient, cache, request_id: str, locations, block_ids: list[int], heads) -> int:
+    """Pull this rank's KV-head slice of `locations` into cache blocks `block_ids`; blocks served."""
+
+    def land(first: int, data) -> None:
+        unpack_blocks(cache, block_ids[first : first + data.shape[0]], data)
+
+    return pool.get_into(request_id, locations, land, *heads)
+
+
+def group_min(comm: Comm, value: int) -> int:
+    return int(comm.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, cpu=True).item())
+
+
+def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
+    """A tensor-parallel rank > 0: run rank 0's commands (forward passes, KV pulls and puts of this
+    rank's KV-head slice) in the order they come, until told to stop."""
+    comm, runner = group.comm, engine.runner
+    shard = engine.model.shard
+    heads = (shard.kv_heads.start, shard.kv_heads.stop)
+    transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-follower")
+    log.info("rank %d of group %s following (KV heads %s)", group.rank, group.group_id, heads)
+    while True:
+        try:
+            cmd = worker_pb2.GroupCommand.FromString(comm.broadcast_bytes(None))
+        except Exception:
+            log.exception("lost rank 0 of group %s", group.group_id)
+            return
+        kind = cmd.WhichOneof("kind")
+        if kind == "step":
+            try:
+                runner.execute(StepInputs.from_proto(cmd.step))
+            except Exception:  # rank 0 is now out of step with us: the group is broken
+                log.exception("forward pass failed on rank %d of group %s", group.rank, group.group_id)
+                hard_exit(1)
+        elif kind == "pull":
+            p, n = cmd.pull, 0
+            try:
+                locations = [from_proto(x) for x in p.blocks]
+                n = pull_slice(pool, runner.kv_cache, p.request_id, locations, list(p.block_ids), heads)
+            except Exception as err:
+                log.warning("pulling KV slice of %s failed: %s", p.request_id, err)
+            group_min(comm, n)
+        elif kind == "put" and shard.writes_kv:
+            p = cmd.put
+            data = pack_blocks(runner.kv_cache, list(p.block_ids))  # now: the blocks are reused next step
+            transfers.submit(_put_slice, pool, p, data, heads)
+        elif kind == "stop":
+            transfers.shutdown(wait=True)
+            return
+
+
+def _put_slice(pool: PoolClient, p: worker_pb2.GroupPut, data, heads) -> None:
+    def done(future) -> None:
+        if future.exception() is not None:
+            log.warning("writing KV slice of %s failed: %s", p.request_id, future.exception())
+
+    try:
+        pool.put_async(
+            p.request_id, list(p.keys), data, list(p.private), p.node_id, *heads
+        ).add_done_callback(done)
+    except Exception as err:
+        log.warning("writing KV slice of %s failed: %s", p.request_id, err)
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_worker(
         "prefill",
@@ -266,4 +386,5 @@ def main(argv: list[str] | None = None) -> int:
         lambda servicer, server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
         worker_pb2.DESCRIPTOR,
         argv,
+        follow=follow,
     )

@@ -35,6 +35,8 @@ class Member:
     stub: object
     info: worker_pb2.WorkerInfo | None = None
     inflight: int = 0
+    group: str = ""  # the worker group (an expert-parallel decode group has one member per rank)
+    free_blocks: int = 0  # KV blocks free, as of the last heartbeat minus what was sent since
     last_seen: float = field(default_factory=time.monotonic)
     suspect_until: float = 0.0
 
@@ -83,6 +85,8 @@ class Directory:
                     if member is None:
                         continue
                 member.last_seen = now
+                member.group = record.get("group") or member_id
+                member.free_blocks = int(record.get("free_blocks", 0))
             for member_id, member in list(current.items()):
                 if now - member.last_seen > self.grace_s:
                     log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
@@ -139,15 +143,24 @@ class Directory:
         log.info("%s worker %s joined at %s", role, member_id, addr)
         return member
 
-    def pick(self, role: str) -> Member | None:
-        """The least-loaded live worker of a role (round-robin among equals)."""
+    def pick(self, role: str, blocks: int = 0) -> Member | None:
+        """The least-loaded live group of a role (round-robin among equals), then its rank with the
+        most free KV blocks (an expert-parallel decode group admits where the KV fits best; `blocks`,
+        what the request will hold, is taken off that rank's count until its next heartbeat)."""
         now = time.monotonic()
         live = [m for m in self.members[role].values() if m.suspect_until <= now]
         if not live:
             return None
-        low = min(m.inflight for m in live)
-        candidates = sorted((m for m in live if m.inflight == low), key=lambda m: m.member_id)
-        return candidates[next(self._rr[role]) % len(candidates)]
+        groups: dict[str, list[Member]] = {}
+        for m in live:
+            groups.setdefault(m.group or m.member_id, []).append(m)
+        load = {g: sum(m.inflight for m in ms) / len(ms) for g, ms in groups.items()}
+        low = min(load.values())
+        names = sorted(g for g, value in load.items() if value == low)
+        ranks = groups[names[next(self._rr[role]) % len(names)]]
+        member = max(sorted(ranks, key=lambda m: m.member_id), key=lambda m: (m.free_blocks, -m.inflight))
+        member.free_blocks -= blocks
+        return member
 
     def suspect(self, member: Member, seconds: float) -> None:
         member.suspect_until = time.monotonic() + seconds

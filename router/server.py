@@ -199,7 +199,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if handle.aborted:  # Abort() came while the first token was on its way
             yield self._final(handle, req, state, "abort", prefill.cached_tokens, timings, t0)
             return
-        decode_worker = self.directory.pick("decode")
+        needed = -(-(len(ids) + params.max_tokens) // model.block_size)  # KV blocks it will hold
+        decode_worker = self.directory.pick("decode", needed)
         if decode_worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         handle.decode = decode_worker

@@ -98,13 +98,16 @@ def test_private_tail_is_freed_after_its_get_or_release(pool):
 def test_tp_slices_publish_only_when_every_head_arrived(pool):
     data = blocks(1, 3)
     keys = [key(0, 3)]
-    pool.put("tp", keys, data[:, :, :, :2].contiguous(), head_begin=0, head_end=2)
+    # rank 0's slice: its put is answered only once the block is complete
+    first = pool.put_async("tp", keys, data[:, :, :, :2].contiguous(), head_begin=0, head_end=2)
     # a complete block put after it: once that one is published, anything queued before it was too
     marker = [key(1, 3)]
     pool.put("tp", marker, data)
     wait_for(lambda: len(pool.lookup_prefix(marker)) == 1)
     assert pool.lookup_prefix(keys) == []
+    assert not first.done()
     (loc,) = pool.put("tp", keys, data[:, :, :, 2:].contiguous(), head_begin=2, head_end=4)
+    assert loc is not None and first.result(timeout=10) == [loc]  # both slices landed in one slot
     wait_for(lambda: len(pool.lookup_prefix(keys)) == 1)
     assert torch.equal(pool.get("tp-read", [loc]), data)
     assert torch.equal(pool.get("tp-read", [loc], head_begin=1, head_end=3), data[:, :, :, 1:3])

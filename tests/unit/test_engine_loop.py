@@ -16,7 +16,7 @@ class FlakyEngine:
     def has_unfinished(self) -> bool:
         return self.pending > 0
 
-    def step(self):
+    def step(self, join=False):
         self.calls += 1
         self.pending -= 1
         if self.calls == 1:

@@ -1,0 +1,154 @@
+"""Tensor-parallel prefill groups x expert-parallel decode groups: greedy parity with transformers.
+
+Every combination of prefill TP in {1, 2} and decode EP in {1, 2} is a real cluster (rank processes,
+gloo groups, the pool, Redis, the router), plus one cluster mixing groups of different degrees.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import ENGINE
+from test_cluster import Members, greedy, random_prompt, wait_for
+
+from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.router.client import Client
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """8 prompts of mixed lengths; the last one shares a 3-block (48-token) prefix with the first."""
+    out = [random_prompt(100 + s, n) for s, n in enumerate((53, 16, 17, 31, 32, 70, 9, 0))]
+    out[7] = out[0][:48] + random_prompt(200, 11)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            refs.append(out[0, len(ids) :].tolist())
+    return refs
+
+
+def group(replicas: int = 1, **degree) -> WorkerGroupSettings:
+    return WorkerGroupSettings(replicas=replicas, engine={**ENGINE, **degree})
+
+
+def start(redis_server, tiny_model_dir, tmp_path_factory, name, prefill, decode) -> LocalCluster:
+    cfg = ClusterConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        namespace=f"test-parallel-{name}",
+        redis_url=redis_server.url,
+        router=RouterSettings(port=0),
+        pool=PoolSettings(nodes=1, memory_gib=0.25),
+        prefill=prefill,
+        decode=decode,
+    )
+    cluster = LocalCluster(cfg, log_dir=tmp_path_factory.mktemp(f"logs-{name}"), quiet=True)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def run_all(addr: str, prompts) -> list[list[int]]:
+    with Client(addr) as client:
+        # the shared-prefix pair goes one after the other, so the second finds the first's blocks
+        first = client.generate(greedy(prompts[0], NEW_TOKENS), timeout=120).token_ids
+        with ThreadPoolExecutor(4) as pool:
+            rest = list(
+                pool.map(
+                    lambda ids: client.generate(greedy(ids, NEW_TOKENS), timeout=120).token_ids, prompts[1:]
+                )
+            )
+    return [first, *rest]
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)])
+def test_greedy_parity(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, tp, ep):
+    """(TP 1, EP 1) is test_cluster.py's cluster; these are the other three corners of the matrix."""
+    cluster = start(
+        redis_server,
+        tiny_model_dir,
+        tmp_path_factory,
+        f"tp{tp}-ep{ep}",
+        group(tensor_parallel_size=tp),
+        group(expert_parallel_size=ep),
+    )
+    try:
+        got = run_all(cluster.router_addr, prompts)
+        for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs at TP={tp} EP={ep}"
+        members = Members(cluster)
+        try:
+            prefill = members.stats("prefill")
+            assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(tp, 0)]
+            assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48  # the pair
+            decode = members.stats("decode")
+            assert len(decode) == ep  # an EP group registers every rank
+            if ep > 1:
+                # each rank decoded some of the requests, and all report the group's expert load
+                wait_for(
+                    lambda: all(s.requests > 0 for s in members.stats("decode").values()), 5, "both ranks"
+                )
+                for s in decode.values():
+                    load = s.expert_load
+                    assert len(load.layers) == 2 and all(len(layer.tokens) == 4 for layer in load.layers)
+                    assert len(load.rank_moe_ms) == 2 and 0 < load.balance <= 1
+                    assert all(t > 0 for t in load.rank_tokens)
+                    assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers)
+        finally:
+            members.close()
+    finally:
+        cluster.stop()
+
+
+def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference):
+    """Prefill groups TP=2 and TP=1, decode groups EP=2 and EP=1, serving the same requests."""
+    cluster = start(
+        redis_server,
+        tiny_model_dir,
+        tmp_path_factory,
+        "mixed",
+        (group(tensor_parallel_size=2), group()),
+        (group(expert_parallel_size=2), group()),
+    )
+    try:
+        assert cluster.cfg.members("decode") == 3
+        for round_ in range(2):  # twice: every group serves some of them
+            got = run_all(cluster.router_addr, prompts)
+            for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+                assert tokens == ref, f"prompt {i} differs in the mixed cluster (round {round_})"
+        members = Members(cluster)
+        try:
+            assert all(s.requests > 0 for s in members.stats("prefill").values())
+            assert all(s.requests > 0 for s in members.stats("decode").values())
+            degrees = sorted(s.tensor_parallel_size for s in members.stats("prefill").values())
+            assert degrees == [1, 2]
+        finally:
+            members.close()
+    finally:
+        cluster.stop()
