@@ -171,9 +171,9 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
         if group in raw:
             section = raw.pop(group) or {}
             if isinstance(section, list):  # several groups of this role, e.g. of different degrees
-                kwargs[group] = tuple(_group(dict(item or {}), group) for item in section)
+                kwargs[group] = tuple(_group(item or {}, group) for item in section)
             else:
-                kwargs[group] = _group(dict(section), group)
+                kwargs[group] = _group(section, group)
     cfg = ClusterConfig(**raw, **kwargs)
     cfg.validate()
     return cfg
@@ -182,6 +182,7 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
 def _group(section: dict, role: str) -> WorkerGroupSettings:
     if not isinstance(section, dict):
         raise ClusterConfigError(f"{role}: expected a mapping (or a list of mappings)")
+    section = dict(section)
     replicas = section.pop("replicas", 1)
     return WorkerGroupSettings(replicas=replicas, engine=section)
 

@@ -30,6 +30,7 @@ from kvferry.deploy.config import ClusterConfig
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.model.config import ModelConfig, resolve_dtype
 from kvferry.model.create import resolve_model
+from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.rpc import check_health
 from kvferry.settings import load_settings
 
@@ -132,6 +133,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + cfg.startup_timeout_s
         model_dir = resolve_model(cfg.model, load_settings().models_dir)  # creates built-ins once
+        check_degrees(cfg, ModelConfig.from_dir(model_dir))
         host = cfg.router.host
         py = [sys.executable, "-m"]
 
@@ -243,6 +245,18 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:
+    """Refuse, before any process starts, a TP/EP degree the model cannot be split by."""
+    for role in ("prefill", "decode"):
+        for index in range(len(cfg.groups(role))):
+            engine = cfg.engine_config(role, index)
+            try:
+                check_tp(model_cfg, engine.tensor_parallel_size)
+                check_ep(model_cfg, engine.expert_parallel_size)
+            except ParallelConfigError as err:
+                raise LaunchError(f"{role} group {index}: {err}") from None
 
 
 def cluster_layout(cfg: ClusterConfig, model_dir: Path) -> BlockLayout:

@@ -36,6 +36,11 @@ def test_yaml_file_round_trip(tmp_path):
         ({"decode": {"replicas": 0}}, "decode.replicas"),
         ({"pool": {"memory_gib": 0}}, "pool.memory_gib"),
         ({"prefill": {"block_size": 0}}, "block_size"),
+        ({"prefill": {"expert_parallel_size": 2}}, "prefill.expert_parallel_size"),
+        ({"decode": [{"tensor_parallel_size": 2}]}, "decode.tensor_parallel_size"),
+        ({"decode": [{"expert_parallel_size": 0}]}, "expert_parallel_size"),
+        ({"prefill": [{"replicas": 0}]}, "prefill.replicas"),
+        ({"decode": [3]}, "decode: expected a mapping"),
     ],
 )
 def test_bad_settings_are_named(raw, names):
@@ -48,3 +53,43 @@ def test_engine_flags_parse_back_to_the_same_config():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_config_from(p.parse_args(engine_flags(cfg))) == cfg
+
+
+def test_groups_of_different_degrees_and_the_degree_flags():
+    cfg = cluster_config_from_dict(
+        {
+            "prefill": [{"tensor_parallel_size": 2}, {"replicas": 2}],
+            "decode": {"replicas": 2, "expert_parallel_size": 2, "enable_prefix_caching": False},
+        }
+    )
+    assert [g.replicas for g in cfg.groups("prefill")] == [1, 2]
+    assert (cfg.group_size("prefill", 0), cfg.group_size("prefill", 1), cfg.group_size("decode")) == (2, 1, 2)
+    # a prefill group registers once (rank 0 serves it), an EP decode group once per rank
+    assert (cfg.members("prefill"), cfg.members("decode"), cfg.processes()) == (3, 4, 8)
+    assert cfg.engine_config("decode").enable_prefix_caching is False
+    over = cfg.with_overrides(
+        prefill_tensor_parallel_size=4, decode_expert_parallel_size=1, decode_replicas=3
+    )
+    assert [over.group_size("prefill", i) for i in range(2)] == [4, 4]
+    assert (over.group_size("decode"), over.decode.replicas) == (1, 3)
+    assert isinstance(over.prefill, tuple) and not isinstance(over.decode, tuple)
+
+
+def test_degree_the_model_cannot_split_by_is_refused_before_launch(tiny_model_dir):
+    from kvferry.deploy.local import LaunchError, LocalCluster
+
+    cfg = cluster_config_from_dict({"model": str(tiny_model_dir), "prefill": {"tensor_parallel_size": 3}})
+    with pytest.raises(LaunchError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        LocalCluster(cfg, quiet=True).start()
+    cfg = cluster_config_from_dict({"model": str(tiny_model_dir), "decode": {"expert_parallel_size": 3}})
+    with pytest.raises(LaunchError, match="expert_parallel_size=3 does not divide num_experts=4"):
+        LocalCluster(cfg, quiet=True).start()
+
+
+def test_vllm_spelling_of_the_decode_group_degree():
+    from kvferry.decode_worker.serving import add_worker_args
+
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    args = p.parse_args(["--redis-url", "redis://x", "--data-parallel-size", "2", "--enable-expert-parallel"])
+    assert (args.data_parallel_size, args.enable_expert_parallel, args.rank) == (2, True, None)
