@@ -56,3 +56,30 @@ def tiny_model_dir(kvferry_cache) -> Path:
 def second_model_dir(kvferry_cache) -> Path:
     out = kvferry_cache / "models" / "second"
     return create_from_spec(SECOND_SPEC, out, seed=7, max_shard_bytes=1_000_000)
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The `transformers` reference: greedy continuations (no EOS stop) of each prompt, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            refs.append(out[0, len(ids) :].tolist())
+    return refs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """transformers_greedy as a fixture (test modules cannot import conftest helpers by name)."""
+    return transformers_greedy

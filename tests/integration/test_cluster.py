@@ -113,21 +113,9 @@ def assert_released(members, request_ids):
     wait_for(clean, 30, "workers and pool to release the requests")
 
 
-def test_greedy_matches_engine_and_transformers(client, engine, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_matches_engine_and_transformers(client, engine, tiny_model_dir, hf_greedy):
     prompts = [random_prompt(s, n) for s, n in enumerate((5, 16, 17, 31, 32, 48, 70, 9))]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for ids in prompts:
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
+    for ids, ref in zip(prompts, hf_greedy(tiny_model_dir, prompts, NEW_TOKENS), strict=True):
         got = client.generate(greedy(ids), timeout=60)
         assert got.finished.finish_reason == "length"
         assert got.finished.output_tokens == NEW_TOKENS

@@ -9,7 +9,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from conftest import ENGINE
 from test_cluster import Members, greedy, random_prompt, wait_for
 
@@ -31,23 +30,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            refs.append(out[0, len(ids) :].tolist())
-    return refs
+def reference(tiny_model_dir, prompts, hf_greedy) -> list[list[int]]:
+    return hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
 
 
 def group(replicas: int = 1, **degree) -> WorkerGroupSettings:
