@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -54,3 +55,31 @@ def print_result(result: dict, out: Path | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(line + "\n")
     print(line, flush=True)
+
+
+def rank_threads(size: int) -> int:
+    """Intra-op threads per rank when `size` rank processes share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class Timed:
+    """Wraps callables (collectives of a Comm, module forwards) on their instances: wall seconds, calls,
+    and the bytes of the first tensor argument (a collective's payload)."""
+
+    def __init__(self, owner_attrs):
+        self.seconds, self.calls, self.bytes = 0.0, 0, 0
+        for owner, name in owner_attrs:
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+                if args and isinstance(args[0], torch.Tensor):
+                    self.bytes += args[0].numel() * args[0].element_size()
+
+        return timed

@@ -142,7 +142,8 @@ def dispatch_combine(
     router's choices; w13/w2: this rank's experts, global ids rank*E_local.. (rank+1)*E_local-1.
     A token goes once to each rank that owns at least one of its k experts, carrying all k ids and
     weights; that rank applies its own experts (weighted) and sends back one partial sum, which the
-    source adds up. Four all_to_all per layer: counts, token rows, their (ids, weights), results.
+    source adds up. Three all_to_all per layer: counts, token rows with their (ids, weights) as extra
+    columns, results (four when the activation dtype cannot hold the expert ids exactly).
     """
     num_tokens, top_k = ids.shape
     ranks, num_local = comm.size, w13.shape[0]
@@ -156,13 +157,26 @@ def dispatch_combine(
     comm.all_to_all(recv_counts, send_counts, ones, ones)
     counts = torch.cat((send_counts, recv_counts)).tolist()  # one host sync for both
     send_splits, recv_splits = counts[:ranks], counts[ranks:]
-    num_recv = sum(recv_splits)
-    recv_x = x.new_empty(num_recv, x.shape[1])
-    comm.all_to_all(recv_x, x[token], recv_splits, send_splits)
-    meta = torch.cat((ids[token].float(), weights[token].float()), dim=1)  # ids are exact in float32
-    recv_meta = meta.new_empty(num_recv, 2 * top_k)
-    comm.all_to_all(recv_meta, meta, recv_splits, send_splits)
-    recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
+    num_recv, hidden = sum(recv_splits), x.shape[1]
+    # the ids and weights travel as extra columns of the rows when x's dtype holds the ids exactly
+    # (float32, or experts <= 256 in 16-bit floats): one all_to_all for both; else a separate one
+    inline = INLINE_METADATA and ranks * num_local <= _EXACT_INTS.get(x.dtype, 0)
+    if inline:
+        payload = torch.cat((x[token], ids[token].to(x.dtype), weights[token]), dim=1)
+        recv = x.new_empty(num_recv, hidden + 2 * top_k)
+        comm.all_to_all(recv, payload, recv_splits, send_splits)
+        recv_x, recv_ids, recv_weights = (
+            recv[:, :hidden],
+            recv[:, hidden : hidden + top_k].long(),
+            recv[:, -top_k:],
+        )
+    else:
+        recv_x = x.new_empty(num_recv, hidden)
+        comm.all_to_all(recv_x, x[token], recv_splits, send_splits)
+        meta = torch.cat((ids[token].float(), weights[token].float()), dim=1)  # exact in float32
+        recv_meta = meta.new_empty(num_recv, 2 * top_k)
+        comm.all_to_all(recv_meta, meta, recv_splits, send_splits)
+        recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
     first = comm.rank * num_local
     started = time.perf_counter()
     partial = experts_forward(recv_x, recv_ids, recv_weights, w13, w2, first)
@@ -173,6 +187,10 @@ def dispatch_combine(
     back = x.new_empty(token.shape[0], x.shape[1])
     comm.all_to_all(back, partial, send_splits, recv_splits)
     return torch.zeros_like(x).index_add_(0, token, back)
+
+
+INLINE_METADATA = True  # send expert ids/weights as extra columns of the rows where the dtype allows
+_EXACT_INTS = {torch.float32: 2**24, torch.float16: 2048, torch.bfloat16: 256}  # integers held exactly
 
 
 class ExpertParallelMoe(nn.Module):

@@ -14,6 +14,7 @@ Expert parallelism: rank r owns experts [r*E/N, (r+1)*E/N); everything else is r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -244,12 +245,20 @@ def spawn_ranks(target, size: int, args: tuple = (), timeout_s: float = 300.0) -
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(size):
+        while len(out) < size:
             try:
-                rank, value, error = results.get(timeout=timeout_s)
+                rank, value, error = results.get(timeout=0.2)
             except queue_mod.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(size)) - set(out))} did not finish") from None
+                missing = sorted(set(range(size)) - set(out))
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead and results.empty():  # died without a word (a crash, os._exit, no target)
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"rank(s) exited without a result (exit codes {codes})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {missing} did not finish") from None
+                continue
             if error is not None:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
             out[rank] = _convert(value, torch.from_numpy)

@@ -41,7 +41,10 @@ def _case(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 CASES = ("mixed", "to_rank0", "rank1_empty", "single_rank")
 
 
-def _dispatch_rank(store, rank: int, size: int):
+def _dispatch_rank(store, rank: int, size: int, inline: bool):
+    from kvferry.model import moe
+
+    moe.INLINE_METADATA = inline  # ids/weights as extra columns of the rows, or their own all_to_all
     torch.set_num_threads(1)
     comm = init_group(store, "dispatch", rank, size, torch.device("cpu"))
     w13, w2 = _weights()
@@ -56,9 +59,10 @@ def _dispatch_rank(store, rank: int, size: int):
     return results
 
 
-def test_dispatch_combine_matches_single_process_moe():
+@pytest.mark.parametrize("inline", [True, False])
+def test_dispatch_combine_matches_single_process_moe(inline):
     w13, w2 = _weights()
-    ranks = spawn_ranks(_dispatch_rank, 2)
+    ranks = spawn_ranks(_dispatch_rank, 2, (inline,))
     for name in CASES:
         for rank, results in enumerate(ranks):
             x, ids, weights = _case(name, rank)
