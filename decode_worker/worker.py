@@ -137,9 +137,13 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as err:
             stream.out.put(err)
             return
-        stream.req.status = RequestStatus.WAITING_FOR_KV
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
+        if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
+            stream.sent_first = True  # no KV hand-off figures to report
+            self.engine.submit(stream.req)
+            return
+        stream.req.status = RequestStatus.WAITING_FOR_KV
         if not self._start_pull(stream):
             self.kv_waiting.append(stream)
 

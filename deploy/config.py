@@ -63,6 +63,8 @@ class ClusterConfig:
     prefill: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     decode: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     startup_timeout_s: float = 180.0
+    # the baseline: decode groups run both phases behind the same router; no prefill workers, no pool
+    colocated: bool = False
 
     def validate(self) -> None:
         for role in ("prefill", "decode"):
@@ -107,6 +109,8 @@ class ClusterConfig:
 
     def members(self, role: str) -> int:
         """Registry entries the role will have: one per prefill group, one per decode rank."""
+        if role == "prefill" and self.colocated:
+            return 0
         return sum(
             s.replicas * (self.group_size(role, i) if role == "decode" else 1)
             for i, s in enumerate(self.groups(role))
@@ -115,13 +119,21 @@ class ClusterConfig:
     def processes(self) -> int:
         return sum(
             s.replicas * self.group_size(role, i)
-            for role in ("prefill", "decode")
+            for role in self.roles()
             for i, s in enumerate(self.groups(role))
         )
 
+    def roles(self) -> tuple[str, ...]:
+        """The worker roles this cluster runs."""
+        return ("decode",) if self.colocated else ("prefill", "decode")
+
     def with_overrides(self, **values) -> ClusterConfig:
         """Apply CLI flags (None = not given) on top of the file's values."""
-        top = {k: v for k, v in values.items() if v is not None and k in {"model", "dtype", "redis_url"}}
+        top = {
+            k: v
+            for k, v in values.items()
+            if v is not None and k in {"model", "dtype", "redis_url", "colocated"}
+        }
         cfg = replace(self, **top)
         if values.get("port") is not None:
             cfg = replace(cfg, router=replace(cfg.router, port=values["port"]))

@@ -146,7 +146,7 @@ class LocalCluster:
         layout = cluster_layout(cfg, model_dir)
         slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
         common = ["--host", host, "--redis-url", self.redis_url, "--namespace", cfg.namespace]
-        for i in range(cfg.pool.nodes):
+        for i in range(0 if cfg.colocated else cfg.pool.nodes):
             self._spawn(
                 f"pool-{i}",
                 [
@@ -163,7 +163,7 @@ class LocalCluster:
             )
         threads = str(max(1, (os.cpu_count() or 1) // cfg.processes()))
         env = {} if os.environ.get("KVFERRY_NUM_THREADS") else {"KVFERRY_NUM_THREADS": threads}
-        for group in ("prefill", "decode"):
+        for group in cfg.roles():
             names = itertools.count()
             for index, settings in enumerate(cfg.groups(group)):
                 engine_args = engine_flags(replace(cfg.engine_config(group, index), model=str(model_dir)))
@@ -184,6 +184,7 @@ class LocalCluster:
                 str(port),
                 "--max-inflight",
                 str(cfg.router.max_inflight),
+                *(["--colocated"] if cfg.colocated else []),
             ],
         )
         self.router_addr = f"{host}:{port}"
@@ -200,7 +201,7 @@ class LocalCluster:
 
         cfg = self.cfg
         # a prefill group registers once (rank 0 serves it), a decode group once per rank
-        want = (cfg.members("prefill"), cfg.members("decode"), cfg.pool.nodes)
+        want = (cfg.members("prefill"), cfg.members("decode"), 0 if cfg.colocated else cfg.pool.nodes)
         last = None
         with Client(self.router_addr) as client:
             while True:

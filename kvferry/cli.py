@@ -266,6 +266,12 @@ def _up_parser(sub) -> None:
     up.add_argument("--prefill-replicas", type=int, default=None)
     up.add_argument("--decode-replicas", type=int, default=None)
     up.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="baseline: decode workers run prefill too (no prefill workers, no pool), same router",
+    )
+    up.add_argument(
         "--prefill-tensor-parallel-size", type=int, default=None, help="ranks per prefill group (TP)"
     )
     up.add_argument(
@@ -291,6 +297,7 @@ def _cmd_up(args) -> int:
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        colocated=args.colocated,
         decode_expert_parallel_size=args.decode_expert_parallel_size,
         decode_replicas=args.decode_replicas,
     )

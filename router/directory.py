@@ -42,8 +42,11 @@ class Member:
 
 
 class Directory:
-    def __init__(self, meta: MetadataStore, refresh_s: float = 0.5, grace_s: float = 5.0):
+    def __init__(
+        self, meta: MetadataStore, refresh_s: float = 0.5, grace_s: float = 5.0, colocated: bool = False
+    ):
         self.meta = meta
+        self.colocated = colocated  # decode workers alone serve (no prefill workers, no pool)
         self.refresh_s = refresh_s
         self.grace_s = grace_s
         self.members: dict[str, dict[str, Member]] = {role: {} for role in ROLES}
@@ -170,4 +173,6 @@ class Directory:
 
     @property
     def ready(self) -> bool:
+        if self.colocated:
+            return bool(self.members["decode"])
         return bool(self.members["prefill"] and self.members["decode"] and self.pool_nodes)

@@ -49,6 +49,7 @@ class RouterConfig:
     namespace: str = "default"
     max_inflight: int = 256
     refresh_s: float = 0.5
+    colocated: bool = False  # no prefill workers: decode workers run both phases (the baseline)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.tokenizer = Tokenizer(resolve_model(cfg.model, load_settings().models_dir))
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
-        self.directory = Directory(self.meta, cfg.refresh_s)
+        self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
         self.inflight: dict[str, Inflight] = {}
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
 
@@ -171,6 +172,10 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if handle.aborted:
             yield self._final(handle, req, state, "abort", cached, {}, t0)
             return
+        if self.cfg.colocated:
+            async for message in self._colocated(handle, req, state, params, context, t0):
+                yield message
+            return
         prefill_worker = self.directory.pick("prefill")
         if prefill_worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
@@ -212,6 +217,36 @@ class Router(generate_pb2_grpc.GenerationServicer):
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
         )
+        async for message in self._relay(
+            handle, decode_worker, decode_req, req, state, timings, prefill.cached_tokens, t0, context
+        ):
+            yield message
+
+    async def _colocated(
+        self, handle: Inflight, req: Request, state: OutputState, params, context, t0: float
+    ):
+        """The colocated baseline: one decode worker computes the prompt and streams every token."""
+        model = self.directory.model
+        needed = -(-(req.num_prompt_tokens + params.max_tokens) // model.block_size)
+        worker = self.directory.pick("decode", needed)
+        if worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        handle.decode = worker
+        decode_req = worker_pb2.DecodeRequest(
+            request_id=handle.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_proto(replace(params, stop=())),
+            prefill_here=True,
+        )
+        async for message in self._relay(handle, worker, decode_req, req, state, {}, 0, t0, context):
+            yield message
+
+    async def _relay(
+        self, handle, decode_worker: Member, decode_req, req, state, timings, cached, t0, context
+    ):
+        """Stream a decode worker's tokens to the client, applying stop rules (first token time = TTFT
+        when the worker also ran the prefill)."""
+        timings = dict(timings)
         decode_worker.inflight += 1
         call = decode_worker.stub.Decode(decode_req, timeout=context.time_remaining())
         handle.calls.append(call)
@@ -221,6 +256,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
                     timings["kv_transfer_ms"] += msg.kv_pull_ms
                     timings["first_decode_ms"] = msg.first_decode_ms
                     handle.release_pool = msg.recomputed_tokens > 0
+                if "ttft_ms" not in timings and msg.token_ids:
+                    timings["ttft_ms"] = (time.perf_counter() - t0) * 1e3
                 status = None
                 for token in msg.token_ids:
                     status = state.add_token(token)
@@ -232,12 +269,12 @@ class Router(generate_pb2_grpc.GenerationServicer):
                     req.status = status
                     if not msg.finish_reason:  # we stopped first (stop string): stop the worker too
                         handle.aborted = True
-                    yield self._final(handle, req, state, None, prefill.cached_tokens, timings, t0)
+                    yield self._final(handle, req, state, None, cached, timings, t0)
                     return
                 out = state.emit()
                 if out.new_token_ids:
                     yield generate_pb2.GenerateResponse(
-                        request_id=rid, token_ids=out.new_token_ids, text=out.text
+                        request_id=handle.request_id, token_ids=out.new_token_ids, text=out.text
                     )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -403,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--max-inflight", type=int, default=d.max_inflight)
+    p.add_argument(
+        "--colocated", action="store_true", help="no prefill workers: decode workers do both phases"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = RouterConfig(
@@ -412,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         namespace=args.namespace,
         max_inflight=args.max_inflight,
+        colocated=args.colocated,
     )
 
     async def run() -> None:

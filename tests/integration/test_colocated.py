@@ -1,0 +1,79 @@
+"""The colocated baseline (`kvferry up --colocated`): decode workers run both phases behind the same
+router, with no prefill workers and no pool. Same tokens as transformers; aborts free everything."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from conftest import ENGINE
+from test_cluster import greedy, random_prompt, wait_for
+
+from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import Client
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def colocated(redis_server, tiny_model_dir, tmp_path_factory):
+    cfg = ClusterConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        namespace="test-colocated",
+        redis_url=redis_server.url,
+        router=RouterSettings(port=0),
+        decode=WorkerGroupSettings(replicas=1, engine=ENGINE),
+        colocated=True,
+    )
+    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("logs-colocated"), quiet=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def decode_stats(colocated):
+    meta = MetadataStore(colocated.redis_url, colocated.cfg.namespace)
+    (info,) = wait_for(lambda: meta.members("decode"), what="decode registry").values()
+    with grpc.insecure_channel(info["addr"]) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        yield lambda: stub.GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
+
+
+def test_greedy_matches_transformers(colocated, tiny_model_dir, hf_greedy):
+    prompts = [random_prompt(300 + s, n) for s, n in enumerate((5, 16, 17, 31, 32, 48, 70, 9))]
+    prompts[7] = [*prompts[5][:32], 5, 6, 7]  # a local prefix-cache hit in the one worker
+    with Client(colocated.router_addr) as client:
+        info = client.model_info(timeout=10)
+        assert (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes) == (0, 1, 0)
+        for ids, ref in zip(prompts, hf_greedy(tiny_model_dir, prompts, NEW_TOKENS), strict=True):
+            got = client.generate(greedy(ids, NEW_TOKENS), timeout=60)
+            assert got.token_ids == ref, f"colocated != transformers for a {len(ids)}-token prompt"
+            timings = got.finished.timings
+            assert 0 < timings.ttft_ms <= timings.e2e_ms
+
+
+def test_abort_and_stop_free_the_worker(colocated, decode_stats):
+    with Client(colocated.router_addr) as client:
+        stream = client.stream(
+            greedy(random_prompt(40, 40), max_tokens=900, request_id="co-abort"), timeout=120
+        )
+        next(stream)
+        client.abort("co-abort")
+        assert list(stream)[-1].finished.finish_reason == "abort"
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(greedy(random_prompt(41, 40), max_tokens=900), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def idle():
+            s = decode_stats()
+            return not s.active_request_ids and s.free_blocks == s.total_blocks and s.running == 0
+
+        wait_for(idle, 30, "the worker to free every block")
+        assert (
+            client.generate(greedy(random_prompt(42, 20), max_tokens=4), timeout=60).finished.output_tokens
+            == 4
+        )
