@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     _model_parser(sub)
     _generate_parser(sub)
     _up_parser(sub)
+    _loadtest_parser(sub)
     args = parser.parse_args(argv)
     from kvferry.deploy.config import ClusterConfigError
 
@@ -28,6 +29,28 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidRequestError, ModelConfigError, EngineConfigError, ClusterConfigError) as err:
         print(f"kvferry: error: {err}", file=sys.stderr)
         return 2
+
+
+def _loadtest_parser(sub) -> None:
+    from kvferry.loadtest.sweep import add_sweep_args
+
+    lt = sub.add_parser("loadtest", help="load tests (locust, open-loop arrivals)")
+    lsub = lt.add_subparsers(dest="loadtest_command", required=True)
+    sweep = lsub.add_parser(
+        "sweep", help="run locust once per request rate; report SLO attainment, goodput, CSV/JSON/PNG"
+    )
+    add_sweep_args(sweep)
+    sweep.set_defaults(func=_cmd_loadtest_sweep)
+
+
+def _cmd_loadtest_sweep(args) -> int:
+    from kvferry.loadtest.sweep import run_sweep
+
+    report = run_sweep(args)
+    for label, result in report["targets"].items():
+        print(f"{label} ({result['target']}): goodput {result['goodput']:.2f} req/s")
+    print(f"results in {args.out}: sweep.csv, summary.json, attainment.png, latency.png")
+    return 0
 
 
 def _model_parser(sub) -> None:

@@ -77,3 +77,35 @@ def test_abort_and_stop_free_the_worker(colocated, decode_stats):
             client.generate(greedy(random_prompt(42, 20), max_tokens=4), timeout=60).finished.output_tokens
             == 4
         )
+
+
+def test_loadtest_sweep_end_to_end(colocated, tmp_path):
+    """`kvferry loadtest sweep` with --compare: locust runs per rate and target, records, CSV, JSON, PNGs."""
+    import csv
+    import json
+
+    from kvferry.cli import main
+    from kvferry.loadtest.metrics import read_records
+
+    out = tmp_path / "sweep"
+    argv = ["loadtest", "sweep", "--target", colocated.router_addr, "--compare", colocated.router_addr]
+    argv += ["--labels", "first,second", "--rates", "2,6", "--duration", "3", "--input-len", "40"]
+    argv += ["--output-len", "8", "--prefix-share", "0.5", "--slo-ttft", "2", "--slo-tpot", "0.5"]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "summary.json").read_text())
+    assert set(report["targets"]) == {"first", "second"}
+    for label, result in report["targets"].items():
+        assert [r["rate"] for r in result["rates"]] == [2.0, 6.0]
+        for rate in result["rates"]:
+            records = read_records(out / label / f"rate-{rate['rate']:g}.jsonl")
+            assert rate["sent"] == len(records) > 0
+            assert all(r.ok and r.output_tokens == 8 for r in records), "every request should succeed"
+            assert rate["completed"] == rate["sent"] and rate["ttft_ms"]["p50"] > 0
+        attainments = [r["attainment"] for r in result["rates"]]
+        if min(attainments) >= 0.9:  # generous SLOs on a tiny model: usually met at both rates
+            assert result["goodput"] == 6.0
+    with (out / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {"ttft_ms_p99", "tpot_ms_p90", "goodput"} <= set(rows[0])
+    for name in ("attainment.png", "latency.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"

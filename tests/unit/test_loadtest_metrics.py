@@ -81,3 +81,16 @@ def test_open_loop_rate_and_burstiness():
 def test_schedule_is_shared_and_ends():
     schedule = ArrivalSchedule([0.5, 1.0, 2.0], start=100.0)
     assert [schedule.claim() for _ in range(4)] == [100.5, 101.0, 102.0, None]
+
+
+def test_prompts_share_their_prefix_and_are_reproducible():
+    from kvferry.loadtest.prompts import PromptSource
+
+    src = PromptSource(vocab_size=100, input_len=40, prefix_share=0.5, seed=2)
+    a, b = src.prompt(0), src.prompt(1)
+    assert len(a) == len(b) == 40 and a[:20] == b[:20] and a[20:] != b[20:]
+    assert all(3 <= t < 100 for t in a + b)
+    assert PromptSource(100, 40, 0.5, seed=2).prompt(1) == b
+    assert [src.next_index() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError):
+        PromptSource(100, 40, prefix_share=1.0)
