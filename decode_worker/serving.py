@@ -280,7 +280,7 @@ def form_group(
     rank = args.rank or 0
     if not 0 <= rank < size:
         raise SystemExit(f"--rank {rank} is outside a group of {size}")
-    if cfg.device == "auto" and torch.cuda.is_available():  # one GPU per rank
+    if cfg.device in ("auto", "cuda") and torch.cuda.is_available():  # one GPU per rank
         cfg = replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
     children = []
     if args.dist_init:
@@ -332,6 +332,14 @@ def run_worker(
         cfg = replace(cfg, expert_parallel_size=args.data_parallel_size or cfg.expert_parallel_size)
     elif args.data_parallel_size not in (None, 1):
         raise SystemExit("--data-parallel-size > 1 needs --enable-expert-parallel (decode groups are DP+EP)")
+    if role == "prefill" and cfg.expert_parallel_size > 1:
+        raise SystemExit(
+            "prefill groups are tensor-parallel: use --tensor-parallel-size, not expert parallelism"
+        )
+    if role == "decode" and cfg.tensor_parallel_size > 1:
+        raise SystemExit(
+            "decode groups are expert-parallel: use --expert-parallel-size, not tensor parallelism"
+        )
     group_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     group, cfg = form_group(args, cfg, role, group_id, argv)
     worker_id = group.member_id()

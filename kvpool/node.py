@@ -188,6 +188,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.lru.pop(slot.index, None)
         slot.state, slot.key, slot.heads_written, slot.request_id, slot.leases = SlotState.FREE, b"", 0, "", 0
         self.free.append(slot.index)
+        self.assembled.notify_all()  # a Put waiting for this slot's other slices stops waiting
 
     def _location(self, slot: Slot) -> pool_pb2.BlockLocation:
         return pool_pb2.BlockLocation(
@@ -314,6 +315,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                     self.assembled.notify_all()
                     if block.private:
                         slot.state = SlotState.PRIVATE
+                        slot.expires = time.monotonic() + self.cfg.private_ttl_s  # from completion
                         if self.index.get(slot.key) == slot.index:
                             del self.index[slot.key]
                     else:

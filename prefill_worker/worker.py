@@ -33,6 +33,8 @@ from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+PING_S = 30.0  # an idle TP leader's keep-alive to its followers (the group timeout is 600 s)
+
 
 @dataclass
 class Job:
@@ -51,7 +53,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
         self.jobs: dict[str, Job] = {}
-        self.loop = EngineLoop(engine, self._on_outputs, on_error=self._fail_all)
+        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._keepalive, on_error=self._fail_all)
+        self._last_command = time.monotonic()
         self._pending_puts: list[tuple[Job, dict]] = []
         engine.finish_hook = self._capture
         kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
@@ -63,15 +66,25 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     def _command(self, cmd: worker_pb2.GroupCommand) -> None:
         """Send a command to the group's other ranks (they execute commands in this order)."""
+        self._last_command = time.monotonic()
         try:
             self.group.comm.broadcast_bytes(cmd.SerializeToString())
         except Exception:  # a rank is gone: the group cannot compute any more
             log.exception("tensor-parallel group %s lost a rank; exiting", self.group.group_id)
             hard_exit(1)
 
+    def _keepalive(self) -> bool:
+        """Engine thread, every loop iteration: an idle leader pings its followers now and then (they
+        wait for the next command in a collective, which would time out after the group timeout)."""
+        if self.group.size > 1 and time.monotonic() - self._last_command > PING_S:
+            self._command(worker_pb2.GroupCommand(ping=True))
+        return False
+
     def stop(self) -> None:
         super().stop()
-        if self.group.size > 1:
+        # only from here once the engine thread is gone: two threads must never broadcast at once (if
+        # it is stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
+        if self.group.size > 1 and not self.loop.is_alive():
             self._command(worker_pb2.GroupCommand(stop=True))
 
     def active_ids(self) -> list[str]:
@@ -364,6 +377,7 @@ def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
         elif kind == "stop":
             transfers.shutdown(wait=True)
             return
+        # "ping": nothing to do
 
 
 def _put_slice(pool: PoolClient, p: worker_pb2.GroupPut, data, heads) -> None:
