@@ -40,20 +40,8 @@ def prompts(hf_model):
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompts):
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            refs.append(out[0, len(ids) :].tolist())
-    return refs
+def reference(checkpoint, prompts, hf_greedy):
+    return hf_greedy(checkpoint, prompts, NEW_TOKENS)
 
 
 def make_engine(checkpoint, **overrides) -> LLMEngine:
