@@ -26,7 +26,6 @@ from kvferry.decode_worker.engine import LLMEngine
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
 from kvferry.kvpool.client import PoolClient, from_proto
-from kvferry.kvpool.transfer import unpack_blocks
 from kvferry.model.moe import ExpertParallelMoe
 from kvferry.model.parallel import Comm
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -183,12 +182,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         started, n = time.perf_counter(), 0
         if remote:
             try:  # any failure means: recompute what did not arrive (the request itself goes on)
-                cache, reserved = self.engine.runner.kv_cache, stream.reserved
-
-                def land(first: int, data) -> None:
-                    unpack_blocks(cache, reserved[first : first + data.shape[0]], data)
-
-                n = self.pool.get_into(stream.req.request_id, remote, land)
+                cache = self.engine.runner.kv_cache
+                n = self.pool.pull_into_cache(stream.req.request_id, remote, cache, stream.reserved)
             except Exception as err:
                 log.warning("pulling KV of %s failed, recomputing: %s", stream.req.request_id, err)
                 n = 0  # a partial landing is not trusted

@@ -33,6 +33,7 @@ from kvferry.kvpool.transfer import (
     recv,
     recv_stream,
     send_stream,
+    unpack_blocks,
 )
 from kvferry.rpc import CHANNEL_OPTIONS
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
@@ -320,6 +321,23 @@ class PoolClient:
             if served < end - (start - served):
                 break
         return start
+
+    def pull_into_cache(
+        self,
+        request_id: str,
+        locations: Sequence[Location],
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        head_begin: int = 0,
+        head_end: int | None = None,
+    ) -> int:
+        """`get_into` straight into blocks `block_ids` of a paged cache [L, 2, heads, blocks, bs, D]
+        (the cache holds KV heads [head_begin, head_end) of the layout); returns the blocks served."""
+
+        def land(first: int, data: torch.Tensor) -> None:
+            unpack_blocks(cache, block_ids[first : first + data.shape[0]], data)
+
+        return self.get_into(request_id, locations, land, head_begin, head_end)
 
     def _get_run(self, request_id, run, head_begin, head_end, offset, consume) -> int:
         node = self._node(run[0].node_id)

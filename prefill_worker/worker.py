@@ -26,7 +26,7 @@ from kvferry.decode_worker.model_runner import StepInputs
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
 from kvferry.kvpool.client import PoolClient, PoolError, from_proto, to_proto
-from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
+from kvferry.kvpool.transfer import pack_blocks
 from kvferry.model.parallel import Comm
 from kvferry.rpc import hard_exit
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -172,8 +172,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             self._command(worker_pb2.GroupCommand(pull=pull))
         error, n = None, 0
         try:
-            n = pull_slice(
-                self.pool, self.engine.runner.kv_cache, req.request_id, locations, reserved, self.heads
+            n = self.pool.pull_into_cache(
+                req.request_id, locations, self.engine.runner.kv_cache, reserved, *self.heads
             )
         except Exception as err:
             error = err
@@ -328,15 +328,6 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job.holder = []
 
 
-def pull_slice(pool: PoolClient, cache, request_id: str, locations, block_ids: list[int], heads) -> int:
-    """Pull this rank's KV-head slice of `locations` into cache blocks `block_ids`; blocks served."""
-
-    def land(first: int, data) -> None:
-        unpack_blocks(cache, block_ids[first : first + data.shape[0]], data)
-
-    return pool.get_into(request_id, locations, land, *heads)
-
-
 def group_min(comm: Comm, value: int) -> int:
     return int(comm.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, cpu=True).item())
 
@@ -366,7 +357,7 @@ def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
             p, n = cmd.pull, 0
             try:
                 locations = [from_proto(x) for x in p.blocks]
-                n = pull_slice(pool, runner.kv_cache, p.request_id, locations, list(p.block_ids), heads)
+                n = pool.pull_into_cache(p.request_id, locations, runner.kv_cache, list(p.block_ids), *heads)
             except Exception as err:
                 log.warning("pulling KV slice of %s failed: %s", p.request_id, err)
             group_min(comm, n)

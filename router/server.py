@@ -204,11 +204,6 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if handle.aborted:  # Abort() came while the first token was on its way
             yield self._final(handle, req, state, "abort", prefill.cached_tokens, timings, t0)
             return
-        needed = -(-(len(ids) + params.max_tokens) // model.block_size)  # KV blocks it will hold
-        decode_worker = self.directory.pick("decode", needed)
-        if decode_worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
-        handle.decode = decode_worker
         decode_req = worker_pb2.DecodeRequest(
             request_id=rid,
             prompt_token_ids=ids,
@@ -218,7 +213,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             num_kv_tokens=prefill.num_kv_tokens,
         )
         async for message in self._relay(
-            handle, decode_worker, decode_req, req, state, timings, prefill.cached_tokens, t0, context
+            handle, decode_req, req, state, timings, prefill.cached_tokens, t0, context
         ):
             yield message
 
@@ -226,26 +221,24 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self, handle: Inflight, req: Request, state: OutputState, params, context, t0: float
     ):
         """The colocated baseline: one decode worker computes the prompt and streams every token."""
-        model = self.directory.model
-        needed = -(-(req.num_prompt_tokens + params.max_tokens) // model.block_size)
-        worker = self.directory.pick("decode", needed)
-        if worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
-        handle.decode = worker
         decode_req = worker_pb2.DecodeRequest(
             request_id=handle.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(replace(params, stop=())),
             prefill_here=True,
         )
-        async for message in self._relay(handle, worker, decode_req, req, state, {}, 0, t0, context):
+        async for message in self._relay(handle, decode_req, req, state, {}, 0, t0, context):
             yield message
 
-    async def _relay(
-        self, handle, decode_worker: Member, decode_req, req, state, timings, cached, t0, context
-    ):
-        """Stream a decode worker's tokens to the client, applying stop rules (first token time = TTFT
-        when the worker also ran the prefill)."""
+    async def _relay(self, handle, decode_req, req, state, timings, cached, t0, context):
+        """Pick a decode worker for `decode_req` and stream its tokens to the client, applying stop
+        rules (first token time = TTFT when the worker also ran the prefill)."""
+        model = self.directory.model
+        tokens = len(decode_req.prompt_token_ids) + decode_req.sampling.max_tokens
+        decode_worker = self.directory.pick("decode", -(-tokens // model.block_size))  # blocks it will hold
+        if decode_worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        handle.decode = decode_worker
         timings = dict(timings)
         decode_worker.inflight += 1
         call = decode_worker.stub.Decode(decode_req, timeout=context.time_remaining())

@@ -49,18 +49,30 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+def make_cluster_config(model_dir: Path, redis_url: str, namespace: str, **settings) -> ClusterConfig:
+    """A test cluster on the session's redis: float32, router on any free port, one small pool node,
+    one prefill and one decode worker unless `settings` say otherwise."""
+    defaults = {
+        "pool": PoolSettings(nodes=1, memory_gib=0.25),
+        "prefill": WorkerGroupSettings(replicas=1, engine=ENGINE),
+        "decode": WorkerGroupSettings(replicas=1, engine=ENGINE),
+    }
+    return ClusterConfig(
+        model=str(model_dir),
+        dtype="float32",
+        namespace=namespace,
+        redis_url=redis_url,
+        router=RouterSettings(port=0),
+        **{**defaults, **settings},
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster(redis_server, tiny_model_dir, tmp_path_factory, request):
     """redis (the session's) + 1 pool node + 2 prefill workers + 1 decode worker + router, float32."""
-    cfg = ClusterConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        namespace=f"test-{request.module.__name__.rsplit('.', 1)[-1]}",
-        redis_url=redis_server.url,
-        router=RouterSettings(port=0),
-        pool=PoolSettings(nodes=1, memory_gib=0.25),
-        prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
-        decode=WorkerGroupSettings(replicas=1, engine=ENGINE),
+    namespace = f"test-{request.module.__name__.rsplit('.', 1)[-1]}"
+    cfg = make_cluster_config(
+        tiny_model_dir, redis_server.url, namespace, prefill=WorkerGroupSettings(replicas=2, engine=ENGINE)
     )
     with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("cluster-logs"), quiet=True) as c:
         yield c

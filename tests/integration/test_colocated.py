@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import ENGINE
+from conftest import make_cluster_config
 from test_cluster import greedy, random_prompt, wait_for
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client
@@ -21,15 +20,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def colocated(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        namespace="test-colocated",
-        redis_url=redis_server.url,
-        router=RouterSettings(port=0),
-        decode=WorkerGroupSettings(replicas=1, engine=ENGINE),
-        colocated=True,
-    )
+    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-colocated", colocated=True)
     with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("logs-colocated"), quiet=True) as cluster:
         yield cluster
 

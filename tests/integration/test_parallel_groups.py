@@ -9,10 +9,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ENGINE
+from conftest import ENGINE, make_cluster_config
 from test_cluster import Members, greedy, random_prompt, wait_for
 
-from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.router.client import Client
 
@@ -39,23 +39,10 @@ def group(replicas: int = 1, **degree) -> WorkerGroupSettings:
 
 
 def start(redis_server, tiny_model_dir, tmp_path_factory, name, prefill, decode) -> LocalCluster:
-    cfg = ClusterConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        namespace=f"test-parallel-{name}",
-        redis_url=redis_server.url,
-        router=RouterSettings(port=0),
-        pool=PoolSettings(nodes=1, memory_gib=0.25),
-        prefill=prefill,
-        decode=decode,
+    cfg = make_cluster_config(
+        tiny_model_dir, redis_server.url, f"test-parallel-{name}", prefill=prefill, decode=decode
     )
-    cluster = LocalCluster(cfg, log_dir=tmp_path_factory.mktemp(f"logs-{name}"), quiet=True)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    return LocalCluster(cfg, log_dir=tmp_path_factory.mktemp(f"logs-{name}"), quiet=True)
 
 
 def run_all(addr: str, prompts) -> list[list[int]]:
@@ -74,15 +61,14 @@ def run_all(addr: str, prompts) -> list[list[int]]:
 @pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)])
 def test_greedy_parity(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, tp, ep):
     """(TP 1, EP 1) is test_cluster.py's cluster; these are the other three corners of the matrix."""
-    cluster = start(
+    with start(
         redis_server,
         tiny_model_dir,
         tmp_path_factory,
         f"tp{tp}-ep{ep}",
         group(tensor_parallel_size=tp),
         group(expert_parallel_size=ep),
-    )
-    try:
+    ) as cluster:
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
             assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs at TP={tp} EP={ep}"
@@ -106,21 +92,18 @@ def test_greedy_parity(redis_server, tiny_model_dir, tmp_path_factory, prompts, 
                     assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers)
         finally:
             members.close()
-    finally:
-        cluster.stop()
 
 
 def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference):
     """Prefill groups TP=2 and TP=1, decode groups EP=2 and EP=1, serving the same requests."""
-    cluster = start(
+    with start(
         redis_server,
         tiny_model_dir,
         tmp_path_factory,
         "mixed",
         (group(tensor_parallel_size=2), group()),
         (group(expert_parallel_size=2), group()),
-    )
-    try:
+    ) as cluster:
         assert cluster.cfg.members("decode") == 3
         for round_ in range(2):  # twice: every group serves some of them
             got = run_all(cluster.router_addr, prompts)
@@ -134,5 +117,3 @@ def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_fac
             assert degrees == [1, 2]
         finally:
             members.close()
-    finally:
-        cluster.stop()
