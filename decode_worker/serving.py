@@ -137,6 +137,8 @@ class EngineWorker:
         self.counters: Counter[str] = Counter()
         self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{self.role}")
         self.loop: EngineLoop
+        self.draining = False  # takes no new requests (the registry says so); finishes the ones it has
+        self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT, or by a draining group mate
 
     def start(self) -> None:
         self.loop.start()
@@ -147,6 +149,13 @@ class EngineWorker:
         self.transfers.shutdown(wait=True)
 
     def active_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        """No request is held here any more (a drain can end)."""
         raise NotImplementedError
 
     def leave_group_if_broken(self, err: Exception) -> None:
@@ -226,6 +235,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM: stop taking requests and wait up to this long for the ones in flight",
+    )
     p.add_argument("--data-parallel-size", type=int, default=None, help="with --enable-expert-parallel")
     p.add_argument(
         "--enable-expert-parallel",
@@ -354,6 +369,9 @@ def run_worker(
     meta = MetadataStore(args.redis_url, args.namespace)
     pool = PoolClient(meta, kv_layout(engine), peer_id=worker_id, host=args.host, device=str(engine.device))
     if cfg.tensor_parallel_size > 1 and group.rank > 0:
+        # rank 0 tells this rank when to stop (after its drain); a signal here would break the group
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             follow(engine, pool, group)
         finally:
@@ -365,10 +383,11 @@ def run_worker(
     addr = f"{args.host}:{port}"
 
     def info() -> dict:
-        return {"addr": addr, "group": group.group_id, "rank": group.rank, **servicer.load()}
+        record = {"addr": addr, "group": group.group_id, "rank": group.rank, **servicer.load()}
+        return {**record, "draining": servicer.draining}
 
     heartbeat = Heartbeat(meta, role, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s)
-    stop = threading.Event()
+    stop = servicer.drain_requested
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     servicer.start()
@@ -377,6 +396,7 @@ def run_worker(
     set_serving(health, names)
     log.info("%s worker %s serving on %s", role, worker_id, addr)
     stop.wait()
+    drain(servicer, heartbeat, args.drain_timeout_s)
     set_serving(health, names, False)
     heartbeat.stop()
     server.stop(grace=3).wait()
@@ -384,6 +404,34 @@ def run_worker(
     group.stop_children()
     pool.close()
     hard_exit(0)
+
+
+DRAIN_QUIET_S = 1.0  # idle this long before stopping: twice the router's registry refresh
+
+
+def drain(servicer: EngineWorker, heartbeat: Heartbeat, timeout_s: float) -> None:
+    """Stop taking requests (the router skips a draining worker within one registry refresh) and
+    wait until the ones in flight are done, or `timeout_s`; a request that still arrives in the
+    meantime is served too."""
+    servicer.start_drain()
+    heartbeat.beat()
+    log.info("draining: no new requests; waiting for %d in flight", len(servicer.active_ids()))
+    deadline = time.monotonic() + timeout_s
+    quiet_since = None
+    while time.monotonic() < deadline:
+        if not servicer.loop.is_alive():
+            return
+        if servicer.idle():
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+                log.info("drained")
+                return
+        else:
+            quiet_since = None
+        time.sleep(0.05)
+    log.warning(
+        "drain timed out after %.0fs with %d request(s) in flight", timeout_s, len(servicer.active_ids())
+    )
 
 
 def abort_invalid(context: grpc.ServicerContext, message: str) -> None:

@@ -10,9 +10,7 @@ pool no longer holds are recomputed here, so a pool miss costs time, never corre
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +67,20 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         )
         if self.lockstep is not None:
             self.lockstep.on_group_stop = self._group_stopped
+            self.lockstep.busy = lambda: bool(self.streams)
+            self.lockstep.on_group_drain = self.drain_requested.set
+
+    def start_drain(self) -> None:
+        super().start_drain()
+        if self.lockstep is not None:
+            self.lockstep.draining = True  # the next sync tells the other ranks
+
+    def idle(self) -> bool:
+        """Nothing in flight here, or in the whole group for an expert-parallel rank (it can only stop
+        with the others: every rank steps every MoE layer)."""
+        if self.lockstep is not None:
+            return self.lockstep.group_idle() or self.loop.stopped.is_set()
+        return not self.streams
 
     def stop(self) -> None:
         if self.lockstep is not None:  # stop together: the next sync tells every rank
@@ -80,8 +92,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def _group_stopped(self) -> None:
         """Engine thread: a rank announced it is stopping, so the whole group stops stepping now."""
         self.loop.stopped.set()
-        if not self.lockstep.stopping:  # another rank started it: shut this process down too
-            os.kill(os.getpid(), signal.SIGTERM)
+        self.drain_requested.set()  # another rank started it: this process shuts down too
 
     def active_ids(self) -> list[str]:
         return list(self.streams)
@@ -270,13 +281,15 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
 class LockStep:
     """The per-iteration sync of an expert-parallel group, and the group's expert-load figures.
 
-    Every engine-loop iteration each rank all-gathers [has work, seconds in its experts, token
-    assignments per local expert per MoE layer]; if any rank has work, all of them step (an idle
-    rank with an empty batch, so every MoE layer's all_to_all has all ranks). The same exchange
-    gives every rank the whole group's expert load, so any rank's GetStats can report it.
+    Every engine-loop iteration each rank all-gathers [has work, stopping, seconds in its experts,
+    draining, requests held, token assignments per local expert per MoE layer]; if any rank has
+    work, all of them step (an idle rank with an empty batch, so every MoE layer's all_to_all has all
+    ranks). The same exchange gives every rank the whole group's expert load, so any rank's GetStats
+    can report it, and drains the group as one: once any rank drains, every rank does, and the group
+    stops only when no rank holds a request.
     """
 
-    HEADER = 3  # has work, stopping, expert seconds
+    HEADER = 5  # has work, stopping, expert seconds, draining, holds requests
 
     def __init__(self, engine: LLMEngine, comm: Comm):
         self.comm = comm
@@ -284,10 +297,14 @@ class LockStep:
         self.num_local = self.moe[0].w13.shape[0] if self.moe else 0
         self.view = torch.zeros(comm.size, self.HEADER + len(self.moe) * self.num_local, dtype=torch.float64)
         self.stopping = False  # this rank is shutting down (it tells the others in the next sync)
+        self.draining = False  # this rank takes no new requests (the others follow)
+        self.busy: Callable[[], bool] = lambda: False  # this rank holds requests
         self.on_group_stop: Callable[[], None] | None = None
+        self.on_group_drain: Callable[[], None] | None = None
 
     def __call__(self, has_work: bool) -> bool:
         mine = [float(has_work), float(self.stopping), sum(m.load.seconds for m in self.moe)]
+        mine += [float(self.draining), float(self.busy())]
         for m in self.moe:
             mine += m.load.token_counts()
         self.view = torch.stack(self.comm.all_gather(torch.tensor(mine, dtype=torch.float64), cpu=True))
@@ -295,7 +312,13 @@ class LockStep:
             if self.on_group_stop is not None:
                 self.on_group_stop()
             return False
+        if self.view[:, 3].any() and not self.draining and self.on_group_drain is not None:
+            self.on_group_drain()  # another rank drains: so does this one
         return bool(self.view[:, 0].any())
+
+    def group_idle(self) -> bool:
+        """As of the last sync: every rank drains and none holds a request."""
+        return bool(self.view[:, 3].all()) and not self.view[:, 4].any()
 
     def expert_load(self) -> worker_pb2.ExpertLoad:
         view, n = self.view, self.num_local

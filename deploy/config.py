@@ -6,13 +6,18 @@ dtype: auto
 namespace: default     # Redis key prefix (several clusters can share one Redis)
 redis_url: null        # null: `kvferry up` starts its own redis-server
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256}
-pool: {nodes: 1, memory_gib: 1.0}
+pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 2048, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
+drain_timeout_s: 60    # a stopping worker (scale-down, shutdown) finishes its requests for this long
+ray: {address: null, max_restarts: 10, log_dir: null}   # `kvferry up --ray`
 ```
 A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_size` (decode) processes.
 `prefill` and `decode` also take a list of such mappings: groups of different degrees side by side.
-`prefill` and `decode` take every engine flag of `kvferry generate` (snake_case).
+`prefill` and `decode` take every engine flag of `kvferry generate` (snake_case), plus `resources`:
+the Ray bundle of one rank, e.g. `{CPU: 8, GPU: 1}` or a custom resource that pins the group to
+certain nodes (default: 1 CPU, and 1 GPU when the Ray cluster has GPUs). On Ray, `pool.per_ray_node`
+puts one pool node on every Ray node (else `pool.nodes` of them, spread).
 """
 
 from __future__ import annotations
@@ -43,12 +48,22 @@ class RouterSettings:
 class PoolSettings:
     nodes: int = 1
     memory_gib: float = 1.0
+    per_ray_node: bool = True  # on Ray: one pool node on every Ray node (else `nodes`, spread)
+    resources: dict = field(default_factory=dict)  # on Ray: what a pool node's actor reserves
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    address: str | None = None  # None: the cluster RAY_ADDRESS names, or a local one
+    max_restarts: int = 10  # per actor, and per component relaunch
+    log_dir: str | None = None  # on every node (default: <tmp>/kvferry/<namespace>)
 
 
 @dataclass(frozen=True)
 class WorkerGroupSettings:
     replicas: int = 1
     engine: dict = field(default_factory=dict)  # EngineConfig overrides
+    resources: dict = field(default_factory=dict)  # on Ray: one rank's bundle ({} = the default)
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,8 @@ class ClusterConfig:
     prefill: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     decode: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     startup_timeout_s: float = 180.0
+    drain_timeout_s: float = 60.0
+    ray: RaySettings = RaySettings()
     # the baseline: decode groups run both phases behind the same router; no prefill workers, no pool
     colocated: bool = False
 
@@ -75,6 +92,14 @@ class ClusterConfig:
             raise ClusterConfigError(f"pool.nodes must be >= 1, got {self.pool.nodes}")
         if self.pool.memory_gib <= 0:
             raise ClusterConfigError(f"pool.memory_gib must be > 0, got {self.pool.memory_gib}")
+        if self.drain_timeout_s < 0:
+            raise ClusterConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.ray.max_restarts < 0:
+            raise ClusterConfigError(f"ray.max_restarts must be >= 0, got {self.ray.max_restarts}")
+        _check_resources("pool.resources", self.pool.resources)
+        for role in ("prefill", "decode"):
+            for settings in self.groups(role):
+                _check_resources(f"{role}.resources", settings.resources)
         if not 0 <= self.router.port < 65536:
             raise ClusterConfigError(f"router.port must be in [0, 65535], got {self.router.port}")
         for group in ("prefill", "decode"):
@@ -132,7 +157,7 @@ class ClusterConfig:
         top = {
             k: v
             for k, v in values.items()
-            if v is not None and k in {"model", "dtype", "redis_url", "colocated"}
+            if v is not None and k in {"model", "dtype", "redis_url", "colocated", "namespace"}
         }
         cfg = replace(self, **top)
         if values.get("port") is not None:
@@ -176,7 +201,7 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     if unknown:
         raise ClusterConfigError(f"unknown cluster setting(s) {sorted(unknown)}; known: {sorted(known)}")
     kwargs = {}
-    for name, cls in (("router", RouterSettings), ("pool", PoolSettings)):
+    for name, cls in (("router", RouterSettings), ("pool", PoolSettings), ("ray", RaySettings)):
         if name in raw:
             kwargs[name] = _section(cls, raw.pop(name) or {}, name)
     for group in ("prefill", "decode"):
@@ -196,7 +221,31 @@ def _group(section: dict, role: str) -> WorkerGroupSettings:
         raise ClusterConfigError(f"{role}: expected a mapping (or a list of mappings)")
     section = dict(section)
     replicas = section.pop("replicas", 1)
-    return WorkerGroupSettings(replicas=replicas, engine=section)
+    resources = section.pop("resources", None) or {}
+    return WorkerGroupSettings(replicas=replicas, engine=section, resources=resources)
+
+
+def _check_resources(name: str, resources) -> None:
+    if not isinstance(resources, dict):
+        raise ClusterConfigError(f"{name}: expected a mapping of resource name to amount, e.g. {{GPU: 1}}")
+    for key, amount in resources.items():
+        if not isinstance(amount, int | float) or isinstance(amount, bool) or amount < 0:
+            raise ClusterConfigError(f"{name}.{key} must be a number >= 0, got {amount!r}")
+
+
+def cluster_config_to_dict(cfg: ClusterConfig) -> dict:
+    """The YAML shape of a config (cluster_config_from_dict(cluster_config_to_dict(c)) == c)."""
+
+    def group(s: WorkerGroupSettings) -> dict:
+        return {"replicas": s.replicas, **s.engine, **({"resources": s.resources} if s.resources else {})}
+
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    for name in ("router", "pool", "ray"):
+        out[name] = {f.name: getattr(out[name], f.name) for f in fields(out[name])}
+    for role in ("prefill", "decode"):
+        value = getattr(cfg, role)
+        out[role] = [group(s) for s in value] if isinstance(value, tuple) else group(value)
+    return out
 
 
 def _section(cls, values: dict, name: str):

@@ -85,6 +85,7 @@ class Child:
     proc: subprocess.Popen
     log: Path
     reported: bool = False
+    size: int = 1  # worker groups: processes (ranks) the group runs
 
 
 @dataclass
@@ -95,6 +96,10 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     redis_url: str = ""
     router_addr: str = ""
+    model_dir: Path | None = None
+    groups: dict[str, list[Child]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    _names: dict = field(default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
+    _env: dict = field(default_factory=dict)
     _tmp: Path | None = None
 
     def _say(self, text: str) -> None:
@@ -132,10 +137,9 @@ class LocalCluster:
             self.log_dir = self._tmp
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + cfg.startup_timeout_s
-        model_dir = resolve_model(cfg.model, load_settings().models_dir)  # creates built-ins once
+        model_dir = self.model_dir = resolve_model(cfg.model, load_settings().models_dir)  # built-ins: once
         check_degrees(cfg, ModelConfig.from_dir(model_dir))
         host = cfg.router.host
-        py = [sys.executable, "-m"]
 
         if cfg.redis_url:
             self.redis_url = cfg.redis_url
@@ -143,95 +147,87 @@ class LocalCluster:
             self.redis_url = self._start_redis(host, deadline)
         self._say(f"redis       {self.redis_url}")
 
-        layout = cluster_layout(cfg, model_dir)
-        slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
-        common = ["--host", host, "--redis-url", self.redis_url, "--namespace", cfg.namespace]
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
-            self._spawn(
-                f"pool-{i}",
-                [
-                    *py,
-                    "kvferry.kvpool",
-                    "--node-id",
-                    f"pool-{i}",
-                    *common,
-                    "--layout",
-                    ",".join(map(str, layout.to_list())),
-                    "--num-slots",
-                    str(slots),
-                ],
-            )
+            self._spawn(f"pool-{i}", pool_argv(cfg, model_dir, f"pool-{i}", host, self.redis_url))
         threads = str(max(1, (os.cpu_count() or 1) // cfg.processes()))
-        env = {} if os.environ.get("KVFERRY_NUM_THREADS") else {"KVFERRY_NUM_THREADS": threads}
-        for group in cfg.roles():
-            names = itertools.count()
-            for index, settings in enumerate(cfg.groups(group)):
-                engine_args = engine_flags(replace(cfg.engine_config(group, index), model=str(model_dir)))
+        self._env = {} if os.environ.get("KVFERRY_NUM_THREADS") else {"KVFERRY_NUM_THREADS": threads}
+        for role in cfg.roles():
+            for index, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
-                    name = f"{group}-{next(names)}"
-                    argv = [*py, f"kvferry.{group}_worker", "--worker-id", name, *common, *engine_args]
-                    self._spawn(name, argv, env)
+                    self._start_group(role, index)
         port = cfg.router.port or free_port(host)
-        self._spawn(
-            "router",
-            [
-                *py,
-                "kvferry.router",
-                "--model",
-                str(model_dir),
-                *common,
-                "--port",
-                str(port),
-                "--max-inflight",
-                str(cfg.router.max_inflight),
-                *(["--colocated"] if cfg.colocated else []),
-            ],
-        )
+        self._spawn("router", router_argv(cfg, str(model_dir), host, port, self.redis_url))
         self.router_addr = f"{host}:{port}"
-        self._wait_ready(deadline)
+        wait_until_ready(self.router_addr, expected_members(cfg), deadline, self._check_alive, self._say)
         return self.router_addr
+
+    def _start_group(self, role: str, kind: int) -> Child:
+        name = f"{role}-{next(self._names[role])}"
+        cfg = self.cfg
+        argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url)
+        child = self._spawn(name, argv, self._env)
+        child.size = cfg.group_size(role, kind)
+        self.groups[role].append(child)
+        return child
+
+    def want(self) -> tuple[int, int, int]:
+        """(prefill, decode, pool) registry members of the groups meant to serve now."""
+        pool = expected_members(self.cfg)[2]
+        return len(self.groups["prefill"]), sum(c.size for c in self.groups["decode"]), pool
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
+        """Set the number of prefill / decode groups: new groups (of the role's first kind) start and
+        register first, then the newest surplus ones drain (finish what they hold) and exit."""
+        targets = {"prefill": prefill, "decode": decode}
+        for role, n in targets.items():
+            if n is not None and n < 1:
+                raise LaunchError(f"{role} groups must be >= 1, got {n}")
+            if n is not None and role == "prefill" and self.cfg.colocated:
+                raise LaunchError("a colocated cluster has no prefill groups")
+        retire: list[Child] = []
+        for role, n in targets.items():
+            if n is None:
+                continue
+            groups = self.groups[role]
+            for _ in range(n - len(groups)):
+                self._start_group(role, 0)
+            retire += groups[n:]
+            self._say(f"{role} groups -> {n}")
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        wait_until_ready(self.router_addr, self.want, deadline, self._check_alive, self._say)
+        for child in retire:
+            self.groups[child.name.rsplit("-", 1)[0]].remove(child)
+            child.proc.send_signal(signal.SIGTERM)
+        for child in retire:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(self.cfg.drain_timeout_s + 10)
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
+            self.children.remove(child)
 
     def _start_redis(self, host: str, deadline: float) -> str:
         port = free_port(host)
         self._spawn("redis", redis_server_argv(host, port))
         return wait_for_redis(host, port, deadline, self._check_alive)
 
-    def _wait_ready(self, deadline: float) -> None:
-        from kvferry.router.client import Client
-
-        cfg = self.cfg
-        # a prefill group registers once (rank 0 serves it), a decode group once per rank
-        want = (cfg.members("prefill"), cfg.members("decode"), 0 if cfg.colocated else cfg.pool.nodes)
-        last = None
-        with Client(self.router_addr) as client:
-            while True:
-                self._check_alive()
-                if check_health(self.router_addr):
-                    try:
-                        info = client.model_info(timeout=2)
-                        have = (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes)
-                    except grpc.RpcError:
-                        have = None
-                    if have == want:
-                        return
-                    if have != last:
-                        last = have
-                        self._say(f"waiting: prefill/decode/pool {have} of {want}")
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"the cluster was not ready within {cfg.startup_timeout_s:.0f}s")
-                time.sleep(0.2)
-
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop children in reverse start order: SIGTERM, then SIGKILL after `timeout_s`."""
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        """Stop in reverse start order, a tier at a time (router; workers; pool nodes; redis): SIGTERM
+        (a worker drains: what is in flight finishes), then SIGKILL after `timeout_s`."""
+        tiers: dict[str, list[Child]] = {}
+        for child in self.children:
+            tiers.setdefault(_tier(child.name), []).append(child)
+        for tier in reversed(list(tiers.values())):
+            for child in tier:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
-            while child.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait()
+            for child in tier:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(max(0.01, deadline - time.monotonic()))
+                if child.proc.poll() is None:
+                    child.proc.kill()
+                    child.proc.wait()
         self.children = []
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -246,6 +242,82 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _tier(name: str) -> str:
+    kind = name.rsplit("-", 1)[0]
+    return "workers" if kind in ("prefill", "decode") else kind
+
+
+def expected_members(cfg: ClusterConfig, pool_nodes: int | None = None) -> tuple[int, int, int]:
+    """(prefill, decode, pool) registry members of a ready cluster: a prefill group registers once
+    (rank 0 serves it), a decode group once per rank."""
+    pool = 0 if cfg.colocated else cfg.pool.nodes if pool_nodes is None else pool_nodes
+    return cfg.members("prefill"), cfg.members("decode"), pool
+
+
+def wait_until_ready(router_addr: str, want, deadline: float, check=None, say=None) -> None:
+    """Poll the router until it serves and reports `want` = (prefill, decode, pool) members (a
+    callable: re-read each time); `check()` between tries raises when a component died."""
+    from kvferry.router.client import Client
+
+    last = None
+    with Client(router_addr) as client:
+        while True:
+            if check is not None:
+                check()
+            target = want() if callable(want) else want
+            if check_health(router_addr):
+                try:
+                    info = client.model_info(timeout=2)
+                    have = (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes)
+                except grpc.RpcError:
+                    have = None
+                if have == target:
+                    return
+                if have != last and say is not None:
+                    last = have
+                    say(f"waiting: prefill/decode/pool {have} of {target}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the cluster was not ready in time (router reports {last}, want {target})")
+            time.sleep(0.2)
+
+
+def pool_argv(cfg: ClusterConfig, model_dir: Path, node_id: str, host: str, redis_url: str) -> list[str]:
+    layout = cluster_layout(cfg, model_dir)
+    slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
+    return [
+        *(sys.executable, "-m", "kvferry.kvpool", "--node-id", node_id),
+        *_common(cfg, host, redis_url),
+        *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
+    ]
+
+
+def worker_argv(
+    cfg: ClusterConfig, role: str, kind: int, name: str, model: str, host: str, redis_url: str
+) -> list[str]:
+    """The command of a worker group of kind `kind` (its index in cfg.groups(role)); `model` is what
+    the worker resolves (a built-in name is made on each node on first use)."""
+    engine = replace(cfg.engine_config(role, kind), model=model)
+    return [
+        *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
+        *_common(cfg, host, redis_url),
+        *("--drain-timeout-s", str(cfg.drain_timeout_s)),
+        *engine_flags(engine),
+    ]
+
+
+def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, redis_url: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "kvferry.router", "--model", model),
+        *_common(cfg, host, redis_url),
+        *("--port", str(port), "--max-inflight", str(cfg.router.max_inflight)),
+        *(["--colocated"] if cfg.colocated else []),
+    ]
+
+
+def _common(cfg: ClusterConfig, host: str, redis_url: str) -> list[str]:
+    return ["--host", host, "--redis-url", redis_url, "--namespace", cfg.namespace]
 
 
 def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:
@@ -294,11 +366,63 @@ def engine_flags(engine) -> list[str]:
     return out
 
 
+def _scale_key(namespace: str) -> str:
+    return f"kvf:{namespace}:scale"
+
+
+def request_scale(redis_url: str, namespace: str, prefill: int | None, decode: int | None, timeout_s=600.0):
+    """`kvferry scale` for a local cluster: its `kvferry up` watches this Redis key and answers."""
+    import json
+    import uuid
+
+    import redis
+
+    ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode}
+    client = redis.Redis.from_url(redis_url)
+    key = _scale_key(namespace)
+    client.set(key, json.dumps(ask))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = client.get(key + ":done")
+        if raw is not None and json.loads(raw).get("id") == ask["id"]:
+            done = json.loads(raw)
+            print(json.dumps(done, indent=2))
+            return 0 if done.get("ok") else 1
+        time.sleep(0.2)
+    print(f"kvferry: error: no kvferry up answered on {redis_url} namespace {namespace!r}", file=sys.stderr)
+    return 1
+
+
+def _serve_scale_requests(cluster: LocalCluster) -> None:
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=2)
+    key = _scale_key(cluster.cfg.namespace)
+    try:
+        raw = client.get(key)
+    except redis.RedisError:
+        return
+    if raw is None:
+        return
+    client.delete(key)
+    ask = json.loads(raw)
+    answer = {"id": ask.get("id"), "ok": True}
+    try:
+        cluster.scale(ask.get("prefill"), ask.get("decode"))
+    except LaunchError as err:
+        answer.update(ok=False, error=str(err))
+    answer["groups"] = {role: [c.name for c in cluster.groups[role]] for role in cluster.groups}
+    client.set(key + ":done", json.dumps(answer), ex=600)
+
+
 def run_until_signal(cluster: LocalCluster) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
+        _serve_scale_requests(cluster)
         for child in cluster.children:
             if child.proc.poll() is not None and not child.reported:
                 child.reported = True

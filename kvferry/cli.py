@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     _model_parser(sub)
     _generate_parser(sub)
     _up_parser(sub)
+    _scale_parser(sub)
+    _down_parser(sub)
     _loadtest_parser(sub)
     args = parser.parse_args(argv)
     from kvferry.deploy.config import ClusterConfigError
@@ -302,6 +304,18 @@ def _up_parser(sub) -> None:
     )
     up.add_argument("--log-dir", type=Path, default=None, help="component logs (default: a temp dir)")
     up.add_argument(
+        "--ray", action="store_true", help="launch on a Ray cluster (placement groups; see deploy/)"
+    )
+    up.add_argument(
+        "--address", default=None, help="with --ray: the Ray cluster (default: RAY_ADDRESS, or a local one)"
+    )
+    up.add_argument(
+        "--detach",
+        action="store_true",
+        help="with --ray: leave the cluster running when this command ends (kvferry down --ray stops it)",
+    )
+    up.add_argument("--namespace", default=None, help="cluster name (Redis key prefix, Ray controller name)")
+    up.add_argument(
         "--prompt", help="one-shot: stream this prompt's completion through the cluster, then stop"
     )
     add_sampling_args(up)
@@ -323,7 +337,13 @@ def _cmd_up(args) -> int:
         colocated=args.colocated,
         decode_expert_parallel_size=args.decode_expert_parallel_size,
         decode_replicas=args.decode_replicas,
+        namespace=args.namespace,
     )
+    if args.ray:
+        return _up_ray(args, cfg)
+    if args.detach or args.address:
+        print("kvferry: error: --address and --detach go with --ray", file=sys.stderr)
+        return 2
     cluster = LocalCluster(cfg, log_dir=args.log_dir)
     try:
         addr = cluster.start()
@@ -335,21 +355,130 @@ def _cmd_up(args) -> int:
         cluster.stop()
         raise
     try:
-        print(f"kvferry cluster ready: router at {addr} (logs in {cluster.log_dir})", flush=True)
+        print(
+            f"kvferry cluster ready: router at {addr} (redis {cluster.redis_url}, logs in {cluster.log_dir})",
+            flush=True,
+        )
         if args.prompt is None:
             run_until_signal(cluster)
             print("kvferry: shutting down", file=sys.stderr, flush=True)
             return 0
-        args.server, args.prompts_file, args.prompt_token_ids, args.json, args.timeout = (
-            addr,
-            None,
-            None,
-            False,
-            None,
-        )
-        return _generate_remote(args, sampling_params_from(args))
+        return _prompt_once(args, addr)
     finally:
         cluster.stop()
+
+
+def _prompt_once(args, addr: str) -> int:
+    args.server, args.prompts_file, args.prompt_token_ids, args.json, args.timeout = (
+        addr,
+        None,
+        None,
+        False,
+        None,
+    )
+    return _generate_remote(args, sampling_params_from(args))
+
+
+def _up_ray(args, cfg) -> int:
+    from dataclasses import replace
+
+    from kvferry.deploy import ray_launch
+
+    if args.log_dir is not None:
+        cfg = replace(cfg, ray=replace(cfg.ray, log_dir=str(args.log_dir)))
+    say = lambda line: print(f"kvferry: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    ray_launch.connect(args.address or cfg.ray.address)
+    try:
+        ctrl, status = ray_launch.up(cfg, detach=args.detach, say=say)
+    except ray_launch.LaunchError as err:
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 1
+    addr = status["router"]
+    print(
+        f"kvferry cluster ready: router at {addr} (Ray controller "
+        f"{ray_launch.controller_name(cfg.namespace)}, logs in {status['log_dir']} on each node)",
+        flush=True,
+    )
+    if args.detach and args.prompt is None:
+        return 0
+    try:
+        if args.prompt is not None:
+            return _prompt_once(args, addr)
+        ray_launch.run_until_signal(ctrl, say)
+        print("kvferry: shutting down", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if not args.detach:
+            ray_launch.down(ctrl)
+
+
+def _scale_parser(sub) -> None:
+    sc = sub.add_parser(
+        "scale", help="change the number of prefill / decode groups of a running cluster (in flight finish)"
+    )
+    sc.add_argument("--prefill", type=int, default=None, help="prefill groups wanted")
+    sc.add_argument("--decode", type=int, default=None, help="decode groups wanted")
+    _control_args(sc)
+    sc.set_defaults(func=_cmd_scale)
+
+
+def _down_parser(sub) -> None:
+    down = sub.add_parser("down", help="stop a cluster started with kvferry up --ray --detach")
+    _control_args(down)
+    down.set_defaults(func=_cmd_down)
+
+
+def _control_args(p) -> None:
+    p.add_argument("--ray", action="store_true", help="the cluster runs on Ray (kvferry up --ray)")
+    p.add_argument("--address", default=None, help="the Ray cluster (default: RAY_ADDRESS / this machine's)")
+    p.add_argument("--namespace", default="default", help="the cluster's namespace")
+    p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): the Redis URL it printed")
+
+
+def _cmd_scale(args) -> int:
+    if args.ray:
+        from kvferry.deploy import ray_launch
+
+        ray_launch.connect(args.address, log_to_driver=False)
+        try:
+            ctrl = ray_launch.get_controller(args.namespace)
+            import ray
+
+            status = ray.get(ctrl.scale.remote(prefill=args.prefill, decode=args.decode))
+        except (ray_launch.LaunchError, ValueError) as err:
+            print(f"kvferry: error: {err}", file=sys.stderr)
+            return 2
+        except ray_launch.RayTaskError as err:
+            print(f"kvferry: error: {err.cause if getattr(err, 'cause', None) else err}", file=sys.stderr)
+            return 1
+        print(json.dumps(status, indent=2))
+        return 0
+    from kvferry.deploy.local import request_scale
+
+    if args.redis_url is None:
+        print("kvferry: error: give --ray, or --redis-url of a local cluster", file=sys.stderr)
+        return 2
+    return request_scale(args.redis_url, args.namespace, args.prefill, args.decode)
+
+
+def _cmd_down(args) -> int:
+    if not args.ray:
+        print(
+            "kvferry: error: a local cluster stops with its kvferry up (Ctrl-C); down is for --ray",
+            file=sys.stderr,
+        )
+        return 2
+    from kvferry.deploy import ray_launch
+
+    ray_launch.connect(args.address, log_to_driver=False)
+    try:
+        ctrl = ray_launch.get_controller(args.namespace)
+    except ray_launch.LaunchError as err:
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 2
+    ray_launch.down(ctrl)
+    print(f"kvferry: cluster {args.namespace!r} stopped", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -90,6 +90,9 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def active_ids(self) -> list[str]:
         return list(self.jobs)
 
+    def idle(self) -> bool:
+        return not self.jobs and not self._pending_puts
+
     def load(self) -> dict:
         sched = self.engine.scheduler
         return {"inflight": len(self.jobs), "waiting": len(sched.waiting), "running": len(sched.running)}

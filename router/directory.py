@@ -2,7 +2,8 @@
 
 Refreshed every `refresh_s`. A member whose registry record is gone for longer than `grace_s` (its
 heartbeat TTL ran out: the process died or hangs) is dropped; a Redis outage keeps the last known set
-(an outage must not stop serving). A worker that fails an RPC with UNAVAILABLE is skipped until it
+(an outage must not stop serving). A worker whose record says it is draining gets no new requests
+(it finishes the ones it has, then leaves). A worker that fails an RPC with UNAVAILABLE is skipped until it
 beats again. Every worker must agree on the model fingerprint, block size and max length; one that
 does not is refused (logged), never routed to.
 """
@@ -37,6 +38,7 @@ class Member:
     inflight: int = 0
     group: str = ""  # the worker group (an expert-parallel decode group has one member per rank)
     free_blocks: int = 0  # KV blocks free, as of the last heartbeat minus what was sent since
+    draining: bool = False  # finishing what it has; gets nothing new (scale-down, shutdown)
     last_seen: float = field(default_factory=time.monotonic)
     suspect_until: float = 0.0
 
@@ -90,6 +92,7 @@ class Directory:
                 member.last_seen = now
                 member.group = record.get("group") or member_id
                 member.free_blocks = int(record.get("free_blocks", 0))
+                member.draining = bool(record.get("draining", False))
             for member_id, member in list(current.items()):
                 if now - member.last_seen > self.grace_s:
                     log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
@@ -151,7 +154,7 @@ class Directory:
         most free KV blocks (an expert-parallel decode group admits where the KV fits best; `blocks`,
         what the request will hold, is taken off that rank's count until its next heartbeat)."""
         now = time.monotonic()
-        live = [m for m in self.members[role].values() if m.suspect_until <= now]
+        live = [m for m in self.members[role].values() if m.suspect_until <= now and not m.draining]
         if not live:
             return None
         groups: dict[str, list[Member]] = {}
@@ -169,10 +172,11 @@ class Directory:
         member.suspect_until = time.monotonic() + seconds
 
     def count(self, role: str) -> int:
-        return len(self.members[role])
+        """Members that take requests (a draining one does not)."""
+        return sum(1 for m in self.members[role].values() if not m.draining)
 
     @property
     def ready(self) -> bool:
         if self.colocated:
-            return bool(self.members["decode"])
-        return bool(self.members["prefill"] and self.members["decode"] and self.pool_nodes)
+            return bool(self.count("decode"))
+        return bool(self.count("prefill") and self.count("decode") and self.pool_nodes)

@@ -6,6 +6,7 @@ gloo groups, the pool, Redis, the router), plus one cluster mixing groups of dif
 
 from __future__ import annotations
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +15,7 @@ from test_cluster import Members, greedy, random_prompt, wait_for
 
 from kvferry.deploy.config import WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client
 
 pytestmark = pytest.mark.slow
@@ -115,5 +117,47 @@ def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_fac
             assert all(s.requests > 0 for s in members.stats("decode").values())
             degrees = sorted(s.tensor_parallel_size for s in members.stats("prefill").values())
             assert degrees == [1, 2]
+        finally:
+            members.close()
+
+
+def test_groups_drain_as_one_on_sigterm(redis_server, tiny_model_dir, tmp_path_factory):
+    """SIGTERM to a TP=2 prefill leader and an EP=2 decode group's rank 0 while both decode ranks hold
+    requests: every request finishes, then every rank leaves the registry and exits."""
+    with start(
+        redis_server,
+        tiny_model_dir,
+        tmp_path_factory,
+        "drain",
+        group(tensor_parallel_size=2),
+        group(expert_parallel_size=2),
+    ) as cluster:
+        members = Members(cluster)
+        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+        try:
+            with Client(cluster.router_addr) as client, ThreadPoolExecutor(4) as pool:
+                futures = [
+                    pool.submit(client.generate, greedy(random_prompt(700 + i, 20), 150), 120)
+                    for i in range(4)
+                ]
+                wait_for(
+                    lambda: all(s.active_request_ids for s in members.stats("decode").values()),
+                    60,
+                    "both decode ranks to hold requests",
+                )
+                workers = [c for c in cluster.children if c.name in ("prefill-0", "decode-0")]
+                for child in workers:
+                    child.proc.send_signal(signal.SIGTERM)
+                wait_for(
+                    lambda: all(r.get("draining") for r in meta.members("decode").values()),
+                    10,
+                    "the whole decode group to report draining",
+                )
+                assert [f.result().finished.output_tokens for f in futures] == [150] * 4
+            for child in workers:
+                assert child.proc.wait(30) == 0
+            wait_for(
+                lambda: not meta.members("decode") and not meta.members("prefill"), 10, "no members left"
+            )
         finally:
             members.close()

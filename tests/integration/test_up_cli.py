@@ -1,13 +1,15 @@
-"""`kvferry up` as a user runs it: ready line, a request, SIGTERM, nothing left behind."""
+"""`kvferry up` as a user runs it: ready line, a request, `kvferry scale`, SIGTERM, nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_up_serves_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
+def scale(redis_url: str, *counts: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "scale", "--redis-url", redis_url, *counts],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -59,22 +72,41 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 180
-    while not any("ready" in line for line in lines):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "no ready line"
-        time.sleep(0.1)
-    addr = next(line for line in lines if "ready" in line).split("router at ")[1].split()[0]
-    children = descendants(proc.pid)
-    assert len(children) >= 5  # redis, pool node, prefill, decode, router
-    with Client(addr) as client:
-        got = client.generate(build_request("def fibonacci(n):", max_tokens=8, temperature=0.0), timeout=60)
-    assert got.finished.output_tokens == 8
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 180
+        while not any("ready" in line for line in lines):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no ready line"
+            time.sleep(0.1)
+        addr = next(line for line in lines if "ready" in line).split("router at ")[1].split()[0]
+        children = descendants(proc.pid)
+        assert len(children) >= 5  # redis, pool node, prefill, decode, router
+        redis_url = next(line for line in lines if "ready" in line).split("(redis ")[1].split(",")[0]
+        with Client(addr) as client:
+            got = client.generate(
+                build_request("def fibonacci(n):", max_tokens=8, temperature=0.0), timeout=60
+            )
+            assert got.finished.output_tokens == 8
+            # `kvferry scale` against the running cluster, with requests in flight both ways
+            with ThreadPoolExecutor(4) as pool:
+                long = build_request("def fibonacci(n):", max_tokens=150, temperature=0.0, ignore_eos=True)
+                first = [pool.submit(client.generate, long, 120) for _ in range(2)]
+                assert scale(redis_url, "--decode", "2")["groups"]["decode"] == ["decode-0", "decode-1"]
+                assert client.model_info().num_decode_workers == 2
+                second = [pool.submit(client.generate, long, 120) for _ in range(2)]
+                assert scale(redis_url, "--decode", "1")["groups"]["decode"] == ["decode-0"]
+                outputs = [f.result().finished.output_tokens for f in first + second]
+            assert outputs == [150] * 4  # nothing lost, on the way up or down
+            assert client.model_info().num_decode_workers == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
+            proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
+            proc.wait()
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)

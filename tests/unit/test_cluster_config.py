@@ -8,7 +8,12 @@ import pytest
 
 from kvferry.cli import add_engine_args, engine_config_from
 from kvferry.decode_worker.engine import EngineConfig
-from kvferry.deploy.config import ClusterConfigError, cluster_config_from_dict, load_cluster_config
+from kvferry.deploy.config import (
+    ClusterConfigError,
+    cluster_config_from_dict,
+    cluster_config_to_dict,
+    load_cluster_config,
+)
 from kvferry.deploy.local import engine_flags
 
 
@@ -41,6 +46,12 @@ def test_yaml_file_round_trip(tmp_path):
         ({"decode": [{"expert_parallel_size": 0}]}, "expert_parallel_size"),
         ({"prefill": [{"replicas": 0}]}, "prefill.replicas"),
         ({"decode": [3]}, "decode: expected a mapping"),
+        ({"decode": {"resources": {"GPU": -1}}}, "decode.resources.GPU"),
+        ({"prefill": {"resources": [1]}}, "prefill.resources: expected a mapping"),
+        ({"pool": {"resources": {"CPU": "two"}}}, "pool.resources.CPU"),
+        ({"ray": {"max_restart": 1}}, "max_restart"),
+        ({"ray": {"max_restarts": -1}}, "ray.max_restarts"),
+        ({"drain_timeout_s": -1}, "drain_timeout_s"),
     ],
 )
 def test_bad_settings_are_named(raw, names):
@@ -93,3 +104,20 @@ def test_vllm_spelling_of_the_decode_group_degree():
     add_worker_args(p)
     args = p.parse_args(["--redis-url", "redis://x", "--data-parallel-size", "2", "--enable-expert-parallel"])
     assert (args.data_parallel_size, args.enable_expert_parallel, args.rank) == (2, True, None)
+
+
+def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_takes():
+    cfg = cluster_config_from_dict(
+        {
+            "prefill": [{"tensor_parallel_size": 2, "resources": {"CPU": 4, "GPU": 1}}, {"replicas": 2}],
+            "decode": {"expert_parallel_size": 2, "resources": {"decode_node": 1}},
+            "pool": {"per_ray_node": False, "nodes": 2, "resources": {"CPU": 1}},
+            "ray": {"max_restarts": 3, "address": "auto"},
+            "drain_timeout_s": 5,
+        }
+    )
+    assert cfg.groups("prefill")[0].resources == {"CPU": 4, "GPU": 1}
+    assert "resources" not in cfg.groups("prefill")[0].engine  # not an engine flag
+    assert cfg.groups("prefill")[1].resources == {}
+    assert (cfg.ray.max_restarts, cfg.ray.address, cfg.drain_timeout_s) == (3, "auto", 5)
+    assert cluster_config_from_dict(cluster_config_to_dict(cfg)) == cfg

@@ -40,3 +40,14 @@ def test_suspect_ranks_are_skipped():
     d.suspect(best, 60)
     assert d.pick("decode").member_id == "ep.r1"
     assert Directory(meta=None).pick("decode") is None
+
+
+def test_draining_members_get_nothing_new_and_do_not_count():
+    d = Directory(meta=None)
+    old = add(d, "decode-0", "decode-0", free_blocks=500)
+    add(d, "decode-1", "decode-1", free_blocks=1, inflight=3)
+    old.draining = True
+    assert {d.pick("decode").member_id for _ in range(4)} == {"decode-1"}
+    assert d.count("decode") == 1
+    d.members["decode"]["decode-1"].draining = True
+    assert d.pick("decode") is None and d.count("decode") == 0

@@ -37,3 +37,20 @@ def test_a_stopping_rank_stops_the_group():
     sync.stopping = True
     assert sync(True) is False  # no rank steps once any rank announced its stop
     assert stopped == [True]
+
+
+def test_a_draining_rank_drains_the_group_which_is_idle_only_when_no_rank_holds_requests():
+    sync, _ = make()
+    drains = []
+    sync.on_group_drain = lambda: drains.append(True)
+    held = [True]
+    sync.busy = lambda: held[0]
+    sync(False)
+    assert not drains and not sync.group_idle()  # nobody drains yet
+    sync.draining = True
+    sync(False)
+    assert not drains  # this rank started the drain: nothing to follow
+    assert not sync.group_idle()  # it still holds a request
+    held[0] = False
+    sync(False)
+    assert sync.group_idle()

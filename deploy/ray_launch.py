@@ -1,0 +1,621 @@
+"""`kvferry up --ray`: the same cluster on a Ray cluster (the only module that imports ray).
+
+- A **controller** actor (named `kvferry-<namespace>` in the Ray namespace `kvferry`, on the head
+  node) owns the cluster: it places every component, watches it, relaunches what dies, and scales
+  worker groups (`kvferry scale`). `kvferry up --ray` creates it; `--detach` leaves it running after
+  the command ends (`kvferry down --ray` stops it).
+- Every process runs under a **supervisor** actor: a small actor that starts the component as its
+  child (`python -m kvferry.<component>`: the very command `kvferry up` runs locally), with
+  PR_SET_PDEATHSIG=SIGKILL so the process never outlives its actor. Output goes to
+  `<log dir>/<name>.log` on the actor's node.
+- A worker **group** (a TP prefill group, an EP decode group) is one placement group: one bundle per
+  rank with its CPU/GPU (`resources` in the group's config), STRICT_PACK, so the ranks share a host.
+  Rank 0 hosts the group's TCPStore on a port picked at each (re)launch; the others get it as
+  `--rank r --dist-init IP:PORT`. Ray gives a GPU bundle's actor its device (CUDA_VISIBLE_DEVICES),
+  which the process inherits.
+- One **pool node** per Ray node (hard node affinity; nodes that join later get one, nodes that leave
+  take theirs), or `pool.nodes` of them spread (`pool.per_ray_node: false`).
+- The **router** and **redis-server** (unless `redis_url` is given) run on the head node.
+- **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher sees a
+  dead actor or an exited process within a second and relaunches the whole unit (every rank of a
+  group: a group cannot take one rank back mid-collective) on the same resources. The router stops
+  routing to the dead members (their streams end with UNAVAILABLE, their heartbeats stop) and picks
+  the relaunched ones up when they register again.
+- **Scaling** adds groups (new placement groups) and retires the newest ones: a retired group drains
+  (SIGTERM: it leaves the router's rotation and finishes what it holds) before its actors go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from kvferry.deploy.config import ClusterConfig, cluster_config_from_dict, cluster_config_to_dict
+
+log = logging.getLogger("kvferry.ray")
+
+RAY_NAMESPACE = "kvferry"
+HEAD = {"node:__internal_head__": 0.001}  # the head node's built-in resource
+NOT_LAUNCHED = -1000  # Supervisor.poll() of an actor that has no process (e.g. Ray just restarted it)
+RPC_TIMEOUT_S = 30.0
+
+
+def controller_name(namespace: str) -> str:
+    return f"kvferry-{namespace}"
+
+
+def _die_with_actor() -> None:
+    """preexec_fn: SIGKILL when the supervising actor dies (Ray kills actors with SIGKILL too)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Supervisor:
+    """Runs one component process on this actor's node (see the module doc). Synchronous: every
+    call runs on the actor's main thread, the thread PR_SET_PDEATHSIG is tied to."""
+
+    def __init__(self, name: str, log_dir: str):
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.launches = 0
+
+    def where(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "actor_pid": os.getpid(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
+
+    def launch(self, argv: list[str], env: dict[str, str]) -> int:
+        """Start the component ({host}: this node's IP, {python}: this interpreter); returns its pid."""
+        self.kill()
+        ip = ray.util.get_node_ip_address()
+        argv = [a.replace("{host}", ip).replace("{python}", sys.executable) for a in argv]
+        with self.log_path.open("ab") as out:
+            out.write(f"--- kvferry launch {self.launches}: {' '.join(argv)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_actor,
+                env={**os.environ, **env},
+            )
+        self.launches += 1
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        """None while the process runs, its exit code once it ended, NOT_LAUNCHED without one."""
+        return NOT_LAUNCHED if self.proc is None else self.proc.poll()
+
+    def terminate(self) -> None:
+        """SIGTERM: a worker drains (finishes its requests) and exits; others just exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+
+@dataclass
+class Unit:
+    """What the controller launches and relaunches as one: a worker group (all its ranks), a pool
+    node, the router or redis-server."""
+
+    name: str
+    role: str  # redis | pool | router | prefill | decode
+    kind: int = 0  # worker groups: the index of the group's settings in cfg.groups(role)
+    size: int = 1
+    sups: list = field(default_factory=list)  # one supervisor per rank
+    pg: object = None  # worker groups: the placement group
+    node_id: str = ""  # per-node pool nodes: the Ray node it lives on
+    port: int = 0  # redis / router: kept across relaunches (the others know it)
+    state: str = "new"  # new | running | draining | failed
+    restarts: int = 0
+    where: list = field(default_factory=list)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Controller:
+    """The cluster's owner on Ray (a threaded actor: status() answers while start/scale run)."""
+
+    def __init__(self, cfg_json: str):
+        self.cfg: ClusterConfig = cluster_config_from_dict(json.loads(cfg_json))
+        self.cfg.validate()
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s kvferry-controller %(message)s")
+        ns = self.cfg.namespace
+        self.log_dir = self.cfg.ray.log_dir or str(Path(tempfile.gettempdir()) / "kvferry" / ns)
+        self.units: dict[str, Unit] = {}
+        self.lock = threading.RLock()  # units and their states
+        self.scaling = threading.Lock()  # one scale() at a time
+        self.names = {role: itertools.count() for role in ("prefill", "decode", "pool")}
+        self.redis_url = self.cfg.redis_url or ""
+        self.router_addr = ""
+        self.model_dir: Path | None = None
+        self.events: list[str] = []
+        self.event_count = 0
+        self.phase = "starting"
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # -- start / stop ---------------------------------------------------------------------------------
+    def start(self) -> dict:
+        from kvferry.deploy.local import check_degrees, wait_for_redis, wait_until_ready
+        from kvferry.model.config import ModelConfig
+        from kvferry.model.create import resolve_model
+        from kvferry.settings import load_settings
+
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
+        check_degrees(cfg, ModelConfig.from_dir(self.model_dir))
+        if not cfg.redis_url:
+            redis = self._launch(self._new_unit("redis", "redis"))
+            host, port = redis.where[0]["ip"], redis.port
+            wait_for_redis(host, port, deadline, lambda: self._check_started([redis]))
+        self._event(f"redis {self.redis_url}")
+        if not cfg.colocated:
+            self._reconcile_pool()
+        for role in cfg.roles():
+            for kind, settings in enumerate(cfg.groups(role)):
+                for _ in range(settings.replicas):
+                    self._launch(self._new_group(role, kind))
+        self._launch(self._new_unit("router", "router"))
+        wait_until_ready(self.router_addr, self._want, deadline, lambda: self._check_started(), self._event)
+        self.phase = "ready"
+        self._event(f"ready: router at {self.router_addr}")
+        self._watcher = threading.Thread(target=self._watch, name="watcher", daemon=True)
+        self._watcher.start()
+        return self.status()
+
+    def shutdown(self) -> None:
+        """Stop everything (router first, then the workers, which drain, then pool nodes, redis)."""
+        self._stop.set()
+        self.phase = "stopping"
+        if self._watcher is not None:
+            self._watcher.join(5)
+        with self.lock:
+            units = list(self.units.values())
+        for tier in (("router",), ("prefill", "decode"), ("pool",), ("redis",)):
+            self._retire([u for u in units if u.role in tier], self.cfg.drain_timeout_s + 10)
+        self.phase = "stopped"
+
+    # -- scaling --------------------------------------------------------------------------------------
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
+        """Set the number of prefill / decode groups: new ones start (of the role's first kind) and
+        register before the newest surplus groups drain (finish what they hold) and go."""
+        from kvferry.deploy.local import wait_until_ready
+
+        targets = {"prefill": prefill, "decode": decode}
+        for role, n in targets.items():
+            if n is None:
+                continue
+            if role == "prefill" and self.cfg.colocated:
+                raise ValueError("a colocated cluster has no prefill groups to scale")
+            if n < 1:
+                raise ValueError(f"--{role} must be >= 1 (a cluster needs both phases), got {n}")
+        with self.scaling:
+            retire = []
+            for role, n in targets.items():
+                if n is None:
+                    continue
+                groups = self._groups(role)
+                for _ in range(n - len(groups)):
+                    self._launch(self._new_group(role, 0))
+                retire += groups[n:] if n < len(groups) else []
+                if n != len(groups):
+                    self._event(f"scaling {role} groups {len(groups)} -> {n}")
+            deadline = time.monotonic() + self.cfg.startup_timeout_s
+            wait_until_ready(self.router_addr, self._want, deadline, None, self._event)
+            self._retire(retire, self.cfg.drain_timeout_s + 10)
+        return self.status()
+
+    def _groups(self, role: str) -> list[Unit]:
+        with self.lock:
+            return [u for u in self.units.values() if u.role == role and u.state in ("new", "running")]
+
+    def _retire(self, units: list[Unit], timeout_s: float) -> None:
+        """SIGTERM every rank of `units` (workers drain), wait for them to exit, then free the actors
+        and placement groups."""
+        with self.lock:
+            for unit in units:
+                unit.state = "draining"
+        for unit in units:
+            for sup in unit.sups:
+                with contextlib.suppress(RayActorError, GetTimeoutError):
+                    ray.get(sup.terminate.remote(), timeout=RPC_TIMEOUT_S)
+        deadline = time.monotonic() + timeout_s
+        for unit in units:
+            for sup in unit.sups:
+                while time.monotonic() < deadline:
+                    try:
+                        if ray.get(sup.poll.remote(), timeout=RPC_TIMEOUT_S) is not None:
+                            break
+                    except (RayActorError, GetTimeoutError):
+                        break
+                    time.sleep(0.2)
+            self._free(unit)
+            with self.lock:
+                self.units.pop(unit.name, None)
+            self._event(f"{unit.name} stopped")
+
+    def _free(self, unit: Unit) -> None:
+        for sup in unit.sups:
+            with contextlib.suppress(Exception):
+                ray.get(sup.kill.remote(), timeout=RPC_TIMEOUT_S)
+            with contextlib.suppress(Exception):
+                ray.kill(sup, no_restart=True)
+        unit.sups = []
+        if unit.pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(unit.pg)
+            unit.pg = None
+
+    # -- units ----------------------------------------------------------------------------------------
+    def _event(self, text: str) -> None:
+        log.info("%s", text)
+        self.events = [*self.events[-199:], f"{time.strftime('%H:%M:%S')} {text}"]
+        self.event_count += 1
+
+    def _new_unit(self, name: str, role: str, **kw) -> Unit:
+        unit = Unit(name, role, **kw)
+        with self.lock:
+            self.units[name] = unit
+        return unit
+
+    def _new_group(self, role: str, kind: int) -> Unit:
+        return self._new_unit(
+            f"{role}-{next(self.names[role])}", role, kind=kind, size=self.cfg.group_size(role, kind)
+        )
+
+    def _bundle(self, unit: Unit) -> dict:
+        settings = self.cfg.groups(unit.role)[unit.kind]
+        if settings.resources:
+            return dict(settings.resources)
+        device = self.cfg.engine_config(unit.role, unit.kind).device
+        gpus = ray.cluster_resources().get("GPU", 0) > 0 and device != "cpu"
+        return {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
+
+    def _actor_options(self, resources: dict) -> dict:
+        resources = dict(resources)
+        return {
+            "num_cpus": resources.pop("CPU", 0),
+            "num_gpus": resources.pop("GPU", 0),
+            "resources": resources,
+            "max_restarts": self.cfg.ray.max_restarts,
+            "max_task_retries": 0,
+        }
+
+    def _create_actors(self, unit: Unit) -> None:
+        cls = ray.remote(Supervisor)
+        if unit.role in ("prefill", "decode"):
+            bundle = self._bundle(unit)
+            if unit.pg is None:
+                unit.pg = placement_group(
+                    [bundle] * unit.size,
+                    strategy="STRICT_PACK",
+                    name=f"kvferry-{self.cfg.namespace}-{unit.name}",
+                )
+                try:
+                    ray.get(unit.pg.ready(), timeout=self.cfg.startup_timeout_s)
+                except GetTimeoutError:
+                    raise LaunchError(
+                        f"cannot place {unit.name}: {unit.size} bundle(s) of {bundle} on one node "
+                        f"(the cluster has {ray.available_resources()} available)"
+                    ) from None
+            unit.sups = [
+                cls.options(
+                    **self._actor_options(bundle),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        unit.pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(self._rank_name(unit, rank), self.log_dir)
+                for rank in range(unit.size)
+            ]
+        elif unit.role == "pool":
+            strategy = NodeAffinitySchedulingStrategy(unit.node_id, soft=False) if unit.node_id else "SPREAD"
+            unit.sups = [
+                cls.options(
+                    **self._actor_options(self.cfg.pool.resources), scheduling_strategy=strategy
+                ).remote(unit.name, self.log_dir)
+            ]
+        else:  # router, redis: on the head node
+            unit.sups = [cls.options(**self._actor_options(HEAD)).remote(unit.name, self.log_dir)]
+
+    @staticmethod
+    def _rank_name(unit: Unit, rank: int) -> str:
+        return unit.name if unit.size == 1 else f"{unit.name}.r{rank}"
+
+    def _launch(self, unit: Unit) -> Unit:
+        """(Re)start every process of `unit` (creating its actors first if it has none)."""
+        from kvferry.deploy.local import pool_argv, redis_server_argv, router_argv, worker_argv
+
+        cfg = self.cfg
+        if not unit.sups:
+            self._create_actors(unit)
+        unit.where = ray.get([s.where.remote() for s in unit.sups], timeout=self.cfg.startup_timeout_s)
+        ip = unit.where[0]["ip"]
+        if unit.role == "redis":
+            unit.port = unit.port or ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
+            argvs = [redis_server_argv("{host}", unit.port)]
+            self.redis_url = f"redis://{ip}:{unit.port}/0"
+        elif unit.role == "pool":
+            argvs = [pool_argv(cfg, self.model_dir, unit.name, "{host}", self.redis_url)]
+        elif unit.role == "router":
+            host = cfg.router.host
+            unit.port = unit.port or cfg.router.port or ray.get(unit.sups[0].free_port.remote())
+            argvs = [router_argv(cfg, cfg.model, host, unit.port, self.redis_url)]
+            reach = ip if host in ("0.0.0.0", "::", "") else host
+            self.router_addr = f"{reach}:{unit.port}"
+        else:
+            base = worker_argv(cfg, unit.role, unit.kind, unit.name, cfg.model, "{host}", self.redis_url)
+            argvs = [base]
+            if unit.size > 1:  # rank 0 hosts the group's store on a port free now
+                port = ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
+                init = f"{ip}:{port}"
+                argvs = [[*base, "--rank", str(r), "--dist-init", init] for r in range(unit.size)]
+        argvs = [["{python}" if a == sys.executable else a for a in argv] for argv in argvs]
+        threads = max(1, int(self._bundle(unit).get("CPU", 1))) if unit.role in ("prefill", "decode") else 1
+        env = {"KVFERRY_NUM_THREADS": str(threads)}
+        ray.get(
+            [s.launch.remote(a, env) for s, a in zip(unit.sups, argvs, strict=True)], timeout=RPC_TIMEOUT_S
+        )
+        unit.state = "running"
+        return unit
+
+    def _check_started(self, units: list[Unit] | None = None) -> None:
+        """During start: a component that exited is a launch error (with its log), not a restart."""
+        for unit in units if units is not None else list(self.units.values()):
+            problem = self._problem(unit)
+            if problem is not None:
+                rank, why = problem
+                tail = ""
+                with contextlib.suppress(Exception):
+                    tail = ray.get(unit.sups[rank].log_tail.remote(), timeout=RPC_TIMEOUT_S)
+                raise LaunchError(f"{self._rank_name(unit, rank)} {why} during startup; its log:\n{tail}")
+
+    def _problem(self, unit: Unit) -> tuple[int, str] | None:
+        """(rank, what is wrong) with the first rank of `unit` that is not running, or None."""
+        try:
+            codes = ray.get([s.poll.remote() for s in unit.sups], timeout=RPC_TIMEOUT_S)
+        except RayActorError:
+            return 0, "lost its actor"
+        except GetTimeoutError:
+            return 0, "did not answer"
+        for rank, code in enumerate(codes):
+            if code == NOT_LAUNCHED:
+                return rank, "was restarted by Ray"
+            if code is not None:
+                return rank, f"exited with code {code}"
+        return None
+
+    def _want(self) -> tuple[int, int, int]:
+        """(prefill, decode, pool) registry members of the units meant to serve now."""
+        with self.lock:
+            live = [u for u in self.units.values() if u.state in ("new", "running")]
+        return (
+            sum(1 for u in live if u.role == "prefill"),
+            sum(u.size for u in live if u.role == "decode"),
+            sum(1 for u in live if u.role == "pool"),
+        )
+
+    # -- the watcher ----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                if not self.cfg.colocated:
+                    self._reconcile_pool()
+                with self.lock:
+                    units = [u for u in self.units.values() if u.state == "running"]
+                for unit in units:
+                    if self._stop.is_set():
+                        return
+                    problem = self._problem(unit)
+                    if problem is not None:
+                        self._recover(unit, problem)
+            except Exception:
+                log.exception("watching the cluster failed (retrying)")
+
+    def _recover(self, unit: Unit, problem: tuple[int, str]) -> None:
+        rank, why = problem
+        if unit.state != "running":
+            return
+        unit.restarts += 1
+        if unit.restarts > self.cfg.ray.max_restarts:
+            unit.state = "failed"
+            self._event(
+                f"{self._rank_name(unit, rank)} {why}; {unit.name} failed {unit.restarts} times: given up"
+            )
+            self._free(unit)
+            return
+        self._event(f"{self._rank_name(unit, rank)} {why}: relaunching {unit.name} (restart {unit.restarts})")
+        for sup in unit.sups:  # every rank: a group is rebuilt whole
+            try:
+                ray.get(sup.kill.remote(), timeout=RPC_TIMEOUT_S)
+            except RayActorError:  # out of Ray restarts: new actors in the same bundles
+                self._free_actors_only(unit)
+                break
+        self._launch(unit)
+
+    def _free_actors_only(self, unit: Unit) -> None:
+        for sup in unit.sups:
+            with contextlib.suppress(Exception):
+                ray.kill(sup, no_restart=True)
+        unit.sups = []
+
+    def _reconcile_pool(self) -> None:
+        """One pool node per live Ray node (per_ray_node), or pool.nodes spread."""
+        if not self.cfg.pool.per_ray_node:
+            with self.lock:
+                missing = self.cfg.pool.nodes - sum(1 for u in self.units.values() if u.role == "pool")
+            for _ in range(missing):
+                self._launch(self._new_unit(f"pool-{next(self.names['pool'])}", "pool"))
+            return
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        with self.lock:
+            have = {u.node_id: u for u in self.units.values() if u.role == "pool"}
+        for node_id in alive:
+            if node_id not in have:
+                self._launch(self._new_unit(f"pool-{node_id[:8]}", "pool", node_id=node_id))
+        for node_id, unit in have.items():
+            if node_id not in alive and unit.state == "running":
+                self._event(f"Ray node {node_id[:8]} left: dropping {unit.name}")
+                unit.state = "draining"
+                self._free_actors_only(unit)
+                with self.lock:
+                    self.units.pop(unit.name, None)
+
+    # -- introspection --------------------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.lock:
+            units = list(self.units.values())
+        return {
+            "phase": self.phase,
+            "router": self.router_addr,
+            "redis_url": self.redis_url,
+            "log_dir": self.log_dir,
+            "units": [
+                {
+                    "name": u.name,
+                    "role": u.role,
+                    "state": u.state,
+                    "restarts": u.restarts,
+                    "ranks": [{k: w[k] for k in ("node_id", "ip", "gpus")} for w in u.where],
+                }
+                for u in sorted(units, key=lambda u: (u.role, u.name))
+            ],
+            "events": self.events[-50:],
+            "event_count": self.event_count,
+        }
+
+    def actors(self, name: str) -> list:
+        """The supervisor actors of a unit (tests, operators: e.g. ray.kill one to see recovery)."""
+        with self.lock:
+            return list(self.units[name].sups)
+
+
+# -- driver side: what the CLI calls ----------------------------------------------------------------------
+def connect(address: str | None, **kwargs) -> None:
+    """Join the Ray cluster at `address` (None: RAY_ADDRESS, a cluster started on this machine with
+    `ray start`, or else a new local one)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=RAY_NAMESPACE, **kwargs)
+
+
+def get_controller(namespace: str):
+    try:
+        return ray.get_actor(controller_name(namespace), namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise LaunchError(
+            f"no kvferry cluster with namespace {namespace!r} runs on this Ray cluster "
+            f"(no actor {controller_name(namespace)!r} in Ray namespace {RAY_NAMESPACE!r})"
+        ) from None
+
+
+def up(cfg: ClusterConfig, detach: bool = False, say=print):
+    """Create the controller and start the cluster; returns (controller, status). Prints progress."""
+    cfg.validate()
+    with contextlib.suppress(LaunchError):
+        get_controller(cfg.namespace)
+        raise LaunchError(
+            f"a kvferry cluster with namespace {cfg.namespace!r} already runs on this Ray cluster "
+            "(kvferry down --ray, or pick another namespace)"
+        )
+    ctrl = (
+        ray.remote(Controller)
+        .options(
+            name=controller_name(cfg.namespace),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached" if detach else None,
+            num_cpus=0,
+            resources=HEAD,
+            max_concurrency=8,
+        )
+        .remote(json.dumps(cluster_config_to_dict(cfg)))
+    )
+    started = ctrl.start.remote()
+    seen = 0
+    try:
+        while True:
+            ready, _ = ray.wait([started], timeout=1.0)
+            with contextlib.suppress(Exception):
+                seen = _report(ray.get(ctrl.status.remote(), timeout=10), seen, say)
+            if ready:
+                return ctrl, ray.get(started)
+    except RayTaskError as err:
+        down(ctrl)
+        cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else err
+        raise LaunchError(str(cause)) from None
+    except BaseException:
+        down(ctrl)
+        raise
+
+
+def down(ctrl) -> None:
+    with contextlib.suppress(Exception):
+        ray.get(ctrl.shutdown.remote(), timeout=600)
+    with contextlib.suppress(Exception):
+        ray.kill(ctrl, no_restart=True)
+
+
+def run_until_signal(ctrl, say=print) -> None:
+    """Foreground `up`: report the controller's events until SIGINT/SIGTERM (then the caller stops it)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    seen = ray.get(ctrl.status.remote())["event_count"]
+    while not stop.wait(2.0):
+        try:
+            seen = _report(ray.get(ctrl.status.remote(), timeout=10), seen, say)
+        except (RayActorError, GetTimeoutError) as err:
+            say(f"kvferry: the controller is unreachable: {err}")
+            return
+
+
+def _report(status: dict, seen: int, say) -> int:
+    """Print the controller's events after the first `seen`; returns how many there are now."""
+    new = min(status["event_count"] - seen, len(status["events"]))
+    for line in status["events"][len(status["events"]) - new :] if new > 0 else []:
+        say(line)
+    return status["event_count"]

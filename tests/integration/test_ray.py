@@ -1,0 +1,227 @@
+"""`kvferry up --ray` on a three-node Ray cluster simulated on this machine (ray.cluster_utils).
+
+The head node runs the controller, the router and redis-server; one node offers a `prefill_node`
+resource and one a `decode_node` resource, which the groups' bundles ask for, so the placement is
+known. Everything is real: Ray actors supervising the component processes, gloo groups, Redis, gRPC.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from conftest import ENGINE
+from ray.cluster_utils import Cluster
+from test_cluster import greedy, random_prompt, wait_for
+
+from kvferry.deploy import ray_launch
+from kvferry.deploy.config import (
+    ClusterConfig,
+    PoolSettings,
+    RaySettings,
+    RouterSettings,
+    WorkerGroupSettings,
+)
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import Client
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=4, resources={"prefill_node": 4})
+    cluster.add_node(num_cpus=4, resources={"decode_node": 4})
+    ray.init(address=cluster.address, namespace=ray_launch.RAY_NAMESPACE, log_to_driver=False)
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    yield {
+        "head": next(k for k, r in nodes.items() if "node:__internal_head__" in r),
+        "prefill": next(k for k, r in nodes.items() if "prefill_node" in r),
+        "decode": next(k for k, r in nodes.items() if "decode_node" in r),
+        "all": set(nodes),
+    }
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kv(ray_nodes, tiny_model_dir, tmp_path_factory):
+    """Prefill: one TP=2 group on the prefill node; decode: one group on the decode node."""
+    cfg = ClusterConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        namespace="test-ray",
+        router=RouterSettings(port=0),
+        pool=PoolSettings(memory_gib=0.1),
+        prefill=WorkerGroupSettings(
+            engine={**ENGINE, "tensor_parallel_size": 2}, resources={"CPU": 1, "prefill_node": 1}
+        ),
+        decode=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "decode_node": 1}),
+        drain_timeout_s=60,
+        ray=RaySettings(max_restarts=3, log_dir=str(tmp_path_factory.mktemp("ray-logs"))),
+    )
+    ctrl, status = ray_launch.up(cfg, say=lambda line: None)
+    yield ctrl, status
+    ray_launch.down(ctrl)
+
+
+@pytest.fixture(scope="module")
+def client(kv):
+    with Client(kv[1]["router"]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [random_prompt(300 + i, n) for i, n in enumerate((40, 17, 64, 5))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts, hf_greedy):
+    return hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
+
+
+def units(ctrl) -> dict:
+    return {u["name"]: u for u in ray.get(ctrl.status.remote())["units"]}
+
+
+def long_request(seed: int, max_tokens: int = 120):
+    return greedy(random_prompt(seed, 24), max_tokens)
+
+
+def test_groups_are_placed_across_nodes(kv, ray_nodes):
+    ctrl, _ = kv
+    got = units(ctrl)
+    prefill = got["prefill-0"]["ranks"]
+    assert len(prefill) == 2 and {r["node_id"] for r in prefill} == {ray_nodes["prefill"]}
+    assert [r["node_id"] for r in got["decode-0"]["ranks"]] == [ray_nodes["decode"]]
+    assert got["router"]["ranks"][0]["node_id"] == ray_nodes["head"]
+    assert got["redis"]["ranks"][0]["node_id"] == ray_nodes["head"]
+    pools = [u for u in got.values() if u["role"] == "pool"]
+    assert {u["ranks"][0]["node_id"] for u in pools} == ray_nodes["all"]  # one per Ray node
+    assert all(u["state"] == "running" and u["restarts"] == 0 for u in got.values())
+
+
+def test_greedy_tokens_equal_the_reference(client, prompts, reference):
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda ids: client.generate(greedy(ids), timeout=120).token_ids, prompts))
+    assert got == reference
+
+
+def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_factory):
+    ctrl, status = kv
+    results: dict[int, object] = {}
+
+    def one(seed: int, max_tokens: int) -> None:
+        try:
+            out = client.generate(long_request(seed, max_tokens), timeout=300)
+            results[seed] = len(out.token_ids) if out.finished.finish_reason == "length" else out.finished
+        except grpc.RpcError as err:
+            results[seed] = err
+
+    def wave(seeds, max_tokens: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=one, args=(seed, max_tokens)) for seed in seeds]
+        for t in threads:
+            t.start()
+        return threads
+
+    first = wave(range(6), 60)
+    status = ray.get(ctrl.scale.remote(decode=2), timeout=300)  # while the first wave decodes
+    assert [u["name"] for u in status["units"] if u["role"] == "decode"] == ["decode-0", "decode-1"]
+    assert client.model_info().num_decode_workers == 2
+    second = wave(range(100, 106), 200)  # most go to the new, empty group
+    meta = MetadataStore(status["redis_url"], "test-ray")
+    wait_for(
+        lambda: meta.members("decode").get("decode-1", {}).get("inflight", 0) > 0,
+        60,
+        "the new decode group to hold requests",
+    )
+    status = ray.get(ctrl.scale.remote(decode=1), timeout=300)  # decode-1 drains what it holds
+    assert [u["name"] for u in status["units"] if u["role"] == "decode"] == ["decode-0"]
+    for t in first + second:
+        t.join(300)
+    assert [results[s] for s in range(6)] == [60] * 6
+    assert [results[s] for s in range(100, 106)] == [200] * 6
+    assert client.model_info().num_decode_workers == 1
+    log = (Path(status["log_dir"]) / "decode-1.log").read_text()
+    held = [
+        int(line.split("waiting for ")[1].split()[0]) for line in log.splitlines() if "waiting for" in line
+    ]
+    assert held and held[0] > 0, "decode-1 held no request when it began to drain"
+    assert "drained" in log
+
+
+def test_killing_a_decode_actor_fails_its_requests_cleanly_then_it_serves_again(
+    kv, client, prompts, reference
+):
+    ctrl, _ = kv
+    outcomes: list = []
+    streaming = threading.Event()
+
+    def one(seed: int) -> None:
+        try:
+            for msg in client.stream(long_request(seed, 400), timeout=120):
+                if msg.token_ids:
+                    streaming.set()
+            outcomes.append("finished")
+        except grpc.RpcError as err:
+            outcomes.append(err.code())
+
+    threads = [threading.Thread(target=one, args=(500 + i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(120)
+    [actor] = ray.get(ctrl.actors.remote("decode-0"))
+    killed = time.monotonic()
+    ray.kill(actor, no_restart=False)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a request hung after its decode worker died"
+    assert time.monotonic() - killed < 60
+    assert outcomes and all(o == grpc.StatusCode.UNAVAILABLE for o in outcomes), outcomes
+
+    def serves() -> list[int] | None:
+        try:
+            return client.generate(greedy(prompts[0]), timeout=30).token_ids
+        except grpc.RpcError:
+            return None  # still relaunching
+
+    assert wait_for(serves, 120, "the relaunched decode worker to serve") == reference[0]
+    assert units(ctrl)["decode-0"]["restarts"] == 1
+
+
+def test_cli_up_ray_answers_a_prompt_and_takes_everything_down(ray_nodes, tiny_model_dir, tmp_path):
+    """`kvferry up --ray --address ... --prompt`: the operator's command, end to end."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_model_dir}\ndtype: float32\nnamespace: test-ray-cli\n"
+        "router: {port: 0}\npool: {memory_gib: 0.1, per_ray_node: false, nodes: 1}\n"
+        "prefill: {max_model_len: 1024, num_kv_blocks: 256, resources: {CPU: 1, prefill_node: 1}}\n"
+        "decode: {max_model_len: 1024, num_kv_blocks: 256, resources: {CPU: 1, decode_node: 1}}\n"
+    )
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvferry.cli", "up", "--ray", "--address", address),
+            *("--config", str(config), "--log-dir", str(tmp_path / "logs")),
+            *("--prompt", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0", "--ignore-eos"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kvferry cluster ready: router at" in proc.stdout
+    assert "finish_reason=length" in proc.stderr and "output=8 " in proc.stderr
+    with pytest.raises(ray_launch.LaunchError):
+        ray_launch.get_controller("test-ray-cli")  # `up` took its cluster down on the way out
