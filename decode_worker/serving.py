@@ -287,7 +287,8 @@ def form_group(
     args, cfg: EngineConfig, role: str, group_id: str, argv: list[str]
 ) -> tuple[Group, EngineConfig]:
     """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
-    from kvferry.deploy.local import die_with_parent, free_port
+    from kvferry.deploy.local import free_port
+    from kvferry.proc import die_with_parent
 
     size = cfg.tensor_parallel_size * cfg.expert_parallel_size
     if size == 1:
@@ -321,7 +322,10 @@ def form_group(
                 "--dist-init",
                 init,
             ]
-            children.append(subprocess.Popen(cmd, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL))
+            # SIGKILL: a rank is of no use without rank 0 (and TP followers ignore SIGTERM)
+            children.append(
+                subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL), stdin=subprocess.DEVNULL)
+            )
     device = torch.device(cfg.device if cfg.device != "auto" else "cpu")
     log.info("joining group %s as rank %d of %d", group_id, rank, size)
     comm = init_group(store, group_id, rank, size, device, args.host)

@@ -10,7 +10,6 @@ nothing behind. `up` waits until the router reports every worker and pool node, 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
 import shutil
@@ -31,16 +30,9 @@ from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.model.config import ModelConfig, resolve_dtype
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
+from kvferry.proc import STOP_ORDER, die_with_parent
 from kvferry.rpc import check_health
 from kvferry.settings import load_settings
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when the launcher dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,15 +106,16 @@ class LocalCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
+                preexec_fn=die_with_parent(),
+                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops them in order
                 env={**os.environ, **(env or {})},
             )
         child = Child(name, proc, log)
         self.children.append(child)
         return child
 
-    def _check_alive(self) -> None:
-        for child in self.children:
+    def _check_alive(self, children: list[Child] | None = None) -> None:
+        for child in self.children if children is None else children:
             code = child.proc.poll()
             if code is not None:
                 tail = child.log.read_text(errors="replace")[-3000:] if child.log.exists() else ""
@@ -173,7 +166,8 @@ class LocalCluster:
     def want(self) -> tuple[int, int, int]:
         """(prefill, decode, pool) registry members of the groups meant to serve now."""
         pool = expected_members(self.cfg)[2]
-        return len(self.groups["prefill"]), sum(c.size for c in self.groups["decode"]), pool
+        live = {role: [c for c in groups if c.proc.poll() is None] for role, groups in self.groups.items()}
+        return len(live["prefill"]), sum(c.size for c in live["decode"]), pool
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
         """Set the number of prefill / decode groups: new groups (of the role's first kind) start and
@@ -185,18 +179,30 @@ class LocalCluster:
             if n is not None and role == "prefill" and self.cfg.colocated:
                 raise LaunchError("a colocated cluster has no prefill groups")
         retire: list[Child] = []
+        started: list[Child] = []
         for role, n in targets.items():
             if n is None:
                 continue
+            for child in [c for c in self.groups[role] if c.proc.poll() is not None]:
+                self.groups[role].remove(child)  # a group that died is replaced, not counted
             groups = self.groups[role]
             for _ in range(n - len(groups)):
-                self._start_group(role, 0)
+                started.append(self._start_group(role, 0))
             retire += groups[n:]
             self._say(f"{role} groups -> {n}")
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        wait_until_ready(self.router_addr, self.want, deadline, self._check_alive, self._say)
+        check = lambda: self._check_alive(started)  # noqa: E731
+        try:
+            wait_until_ready(self.router_addr, self.want, deadline, check, self._say)
+        except LaunchError:
+            for child in started:  # a scale that failed leaves nothing half-started
+                child.proc.kill()
+                child.proc.wait()
+                self.groups[_kind(child.name)].remove(child)
+                self.children.remove(child)
+            raise
         for child in retire:
-            self.groups[child.name.rsplit("-", 1)[0]].remove(child)
+            self.groups[_kind(child.name)].remove(child)
             child.proc.send_signal(signal.SIGTERM)
         for child in retire:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -212,16 +218,16 @@ class LocalCluster:
         return wait_for_redis(host, port, deadline, self._check_alive)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop in reverse start order, a tier at a time (router; workers; pool nodes; redis): SIGTERM
-        (a worker drains: what is in flight finishes), then SIGKILL after `timeout_s`."""
-        tiers: dict[str, list[Child]] = {}
-        for child in self.children:
-            tiers.setdefault(_tier(child.name), []).append(child)
-        for tier in reversed(list(tiers.values())):
+        """Stop a tier at a time: prefill workers, decode workers (each drains: what is in flight
+        finishes, relayed by the router, which goes only after them), the router, pool nodes, redis.
+        SIGTERM, then SIGKILL after `timeout_s` (for workers, after their drain timeout)."""
+        for kind in STOP_ORDER:
+            tier = [c for c in self.children if _kind(c.name) == kind]
             for child in tier:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
+            limit = self.cfg.drain_timeout_s + 5 if kind in ("prefill", "decode") else timeout_s
+            deadline = time.monotonic() + limit
             for child in tier:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(max(0.01, deadline - time.monotonic()))
@@ -244,9 +250,9 @@ class LocalCluster:
         self.stop()
 
 
-def _tier(name: str) -> str:
-    kind = name.rsplit("-", 1)[0]
-    return "workers" if kind in ("prefill", "decode") else kind
+def _kind(name: str) -> str:
+    """prefill-3 -> prefill, pool-0 -> pool, router -> router."""
+    return name.rsplit("-", 1)[0]
 
 
 def expected_members(cfg: ClusterConfig, pool_nodes: int | None = None) -> tuple[int, int, int]:
@@ -370,6 +376,10 @@ def _scale_key(namespace: str) -> str:
     return f"kvf:{namespace}:scale"
 
 
+def _launcher_key(namespace: str) -> str:
+    return f"kvf:{namespace}:launcher"  # a running `kvferry up` refreshes it every second
+
+
 def request_scale(redis_url: str, namespace: str, prefill: int | None, decode: int | None, timeout_s=600.0):
     """`kvferry scale` for a local cluster: its `kvferry up` watches this Redis key and answers."""
     import json
@@ -378,18 +388,29 @@ def request_scale(redis_url: str, namespace: str, prefill: int | None, decode: i
     import redis
 
     ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode}
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
     key = _scale_key(namespace)
-    client.set(key, json.dumps(ask))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        raw = client.get(key + ":done")
-        if raw is not None and json.loads(raw).get("id") == ask["id"]:
-            done = json.loads(raw)
-            print(json.dumps(done, indent=2))
-            return 0 if done.get("ok") else 1
-        time.sleep(0.2)
-    print(f"kvferry: error: no kvferry up answered on {redis_url} namespace {namespace!r}", file=sys.stderr)
+    try:
+        if not client.exists(_launcher_key(namespace)):
+            print(
+                f"kvferry: error: no kvferry up serves namespace {namespace!r} on {redis_url}",
+                file=sys.stderr,
+            )
+            return 2
+        client.set(key, json.dumps(ask))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            raw = client.get(key + ":done")
+            if raw is not None and json.loads(raw).get("id") == ask["id"]:
+                done = json.loads(raw)
+                print(json.dumps(done, indent=2))
+                return 0 if done.get("ok") else 1
+            time.sleep(0.2)
+        client.delete(key)  # nobody took it: it must not run later, unasked
+    except redis.RedisError as err:
+        print(f"kvferry: error: {redis_url}: {err}", file=sys.stderr)
+        return 1
+    print(f"kvferry: error: kvferry up did not answer within {timeout_s:.0f}s", file=sys.stderr)
     return 1
 
 
@@ -401,20 +422,21 @@ def _serve_scale_requests(cluster: LocalCluster) -> None:
     client = redis.Redis.from_url(cluster.redis_url, socket_timeout=2)
     key = _scale_key(cluster.cfg.namespace)
     try:
-        raw = client.get(key)
-    except redis.RedisError:
-        return
-    if raw is None:
-        return
-    client.delete(key)
-    ask = json.loads(raw)
-    answer = {"id": ask.get("id"), "ok": True}
-    try:
-        cluster.scale(ask.get("prefill"), ask.get("decode"))
-    except LaunchError as err:
-        answer.update(ok=False, error=str(err))
-    answer["groups"] = {role: [c.name for c in cluster.groups[role]] for role in cluster.groups}
-    client.set(key + ":done", json.dumps(answer), ex=600)
+        client.set(_launcher_key(cluster.cfg.namespace), str(os.getpid()), px=5000)
+        raw = client.getdel(key)
+        if raw is None:
+            return
+        answer = {"id": None, "ok": True}
+        try:
+            ask = json.loads(raw)
+            answer["id"] = ask.get("id")
+            cluster.scale(ask.get("prefill"), ask.get("decode"))
+        except Exception as err:  # a bad request or a failed scale: answered, the cluster serves on
+            answer.update(ok=False, error=str(err))
+        answer["groups"] = {role: [c.name for c in cluster.groups[role]] for role in cluster.groups}
+        client.set(key + ":done", json.dumps(answer), ex=600)
+    except redis.RedisError as err:
+        print(f"kvferry: scale requests: redis: {err}", file=sys.stderr, flush=True)
 
 
 def run_until_signal(cluster: LocalCluster) -> None:

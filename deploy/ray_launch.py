@@ -16,9 +16,10 @@
 - One **pool node** per Ray node (hard node affinity; nodes that join later get one, nodes that leave
   take theirs), or `pool.nodes` of them spread (`pool.per_ray_node: false`).
 - The **router** and **redis-server** (unless `redis_url` is given) run on the head node.
-- **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher sees a
-  dead actor or an exited process within a second and relaunches the whole unit (every rank of a
-  group: a group cannot take one rank back mid-collective) on the same resources. The router stops
+- **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher checks
+  every unit every second and relaunches one with a dead actor or an exited process whole (every
+  rank of a group: a group cannot take one rank back mid-collective) on the same resources. The
+  router stops
   routing to the dead members (their streams end with UNAVAILABLE, their heartbeats stop) and picks
   the relaunched ones up when they register again.
 - **Scaling** adds groups (new placement groups) and retires the newest ones: a retired group drains
@@ -28,7 +29,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import json
 import logging
@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -51,7 +52,10 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from kvferry.deploy.config import ClusterConfig, cluster_config_from_dict, cluster_config_to_dict
+from kvferry.proc import STOP_ORDER, die_with_parent
+
+if TYPE_CHECKING:
+    from kvferry.deploy.config import ClusterConfig
 
 log = logging.getLogger("kvferry.ray")
 
@@ -63,12 +67,6 @@ RPC_TIMEOUT_S = 30.0
 
 def controller_name(namespace: str) -> str:
     return f"kvferry-{namespace}"
-
-
-def _die_with_actor() -> None:
-    """preexec_fn: SIGKILL when the supervising actor dies (Ray kills actors with SIGKILL too)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Supervisor:
@@ -109,7 +107,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_actor,
+                preexec_fn=die_with_parent(signal.SIGKILL),  # Ray kills actors with SIGKILL too
                 env={**os.environ, **env},
             )
         self.launches += 1
@@ -151,6 +149,7 @@ class Unit:
     state: str = "new"  # new | running | draining | failed
     restarts: int = 0
     where: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a relaunch and a retire never overlap
 
 
 class LaunchError(RuntimeError):
@@ -161,6 +160,8 @@ class Controller:
     """The cluster's owner on Ray (a threaded actor: status() answers while start/scale run)."""
 
     def __init__(self, cfg_json: str):
+        from kvferry.deploy.config import cluster_config_from_dict
+
         self.cfg: ClusterConfig = cluster_config_from_dict(json.loads(cfg_json))
         self.cfg.validate()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s kvferry-controller %(message)s")
@@ -191,7 +192,7 @@ class Controller:
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
         check_degrees(cfg, ModelConfig.from_dir(self.model_dir))
         if not cfg.redis_url:
-            redis = self._launch(self._new_unit("redis", "redis"))
+            redis = self._start(self._new_unit("redis", "redis"))
             host, port = redis.where[0]["ip"], redis.port
             wait_for_redis(host, port, deadline, lambda: self._check_started([redis]))
         self._event(f"redis {self.redis_url}")
@@ -200,8 +201,8 @@ class Controller:
         for role in cfg.roles():
             for kind, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
-                    self._launch(self._new_group(role, kind))
-        self._launch(self._new_unit("router", "router"))
+                    self._start(self._new_group(role, kind))
+        self._start(self._new_unit("router", "router"))
         wait_until_ready(self.router_addr, self._want, deadline, lambda: self._check_started(), self._event)
         self.phase = "ready"
         self._event(f"ready: router at {self.router_addr}")
@@ -210,15 +211,16 @@ class Controller:
         return self.status()
 
     def shutdown(self) -> None:
-        """Stop everything (router first, then the workers, which drain, then pool nodes, redis)."""
+        """Stop everything a tier at a time: prefill groups, decode groups (each drains: what is in
+        flight finishes, relayed by the router, which goes only after them), router, pool, redis."""
         self._stop.set()
         self.phase = "stopping"
         if self._watcher is not None:
             self._watcher.join(5)
         with self.lock:
             units = list(self.units.values())
-        for tier in (("router",), ("prefill", "decode"), ("pool",), ("redis",)):
-            self._retire([u for u in units if u.role in tier], self.cfg.drain_timeout_s + 10)
+        for role in STOP_ORDER:
+            self._retire([u for u in units if u.role == role], self.cfg.drain_timeout_s + 10)
         self.phase = "stopped"
 
     # -- scaling --------------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ class Controller:
                     continue
                 groups = self._groups(role)
                 for _ in range(n - len(groups)):
-                    self._launch(self._new_group(role, 0))
+                    self._start(self._new_group(role, 0))
                 retire += groups[n:] if n < len(groups) else []
                 if n != len(groups):
                     self._event(f"scaling {role} groups {len(groups)} -> {n}")
@@ -258,8 +260,8 @@ class Controller:
     def _retire(self, units: list[Unit], timeout_s: float) -> None:
         """SIGTERM every rank of `units` (workers drain), wait for them to exit, then free the actors
         and placement groups."""
-        with self.lock:
-            for unit in units:
+        for unit in units:
+            with unit.lock:  # waits for a relaunch in progress
                 unit.state = "draining"
         for unit in units:
             for sup in unit.sups:
@@ -367,6 +369,17 @@ class Controller:
     def _rank_name(unit: Unit, rank: int) -> str:
         return unit.name if unit.size == 1 else f"{unit.name}.r{rank}"
 
+    def _start(self, unit: Unit) -> Unit:
+        """The first launch of a new unit; one that cannot start leaves nothing behind (no actors, no
+        placement group holding resources, no entry the readiness checks would wait for)."""
+        try:
+            return self._launch(unit)
+        except BaseException:
+            self._free(unit)
+            with self.lock:
+                self.units.pop(unit.name, None)
+            raise
+
     def _launch(self, unit: Unit) -> Unit:
         """(Re)start every process of `unit` (creating its actors first if it has none)."""
         from kvferry.deploy.local import pool_argv, redis_server_argv, router_argv, worker_argv
@@ -443,24 +456,31 @@ class Controller:
     # -- the watcher ----------------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
-            try:
-                if not self.cfg.colocated:
+            if not self.cfg.colocated:
+                try:
                     self._reconcile_pool()
-                with self.lock:
-                    units = [u for u in self.units.values() if u.state == "running"]
-                for unit in units:
-                    if self._stop.is_set():
-                        return
+                except Exception:
+                    log.exception("reconciling pool nodes failed (retrying)")
+            with self.lock:
+                units = [u for u in self.units.values() if u.state == "running"]
+            for unit in units:  # one unit's trouble must not keep the others unwatched
+                if self._stop.is_set():
+                    return
+                try:
                     problem = self._problem(unit)
                     if problem is not None:
-                        self._recover(unit, problem)
-            except Exception:
-                log.exception("watching the cluster failed (retrying)")
+                        with unit.lock:
+                            self._recover(unit, problem)
+                except Exception:
+                    log.exception("recovering %s failed (retrying)", unit.name)
 
     def _recover(self, unit: Unit, problem: tuple[int, str]) -> None:
+        """Relaunch `unit` whole (called with unit.lock held)."""
         rank, why = problem
-        if unit.state != "running":
-            return
+        with self.lock:
+            current = self.units.get(unit.name) is unit
+        if unit.state != "running" or not current or self._stop.is_set():
+            return  # retired, or shutting down, meanwhile
         unit.restarts += 1
         if unit.restarts > self.cfg.ray.max_restarts:
             unit.state = "failed"
@@ -473,7 +493,7 @@ class Controller:
         for sup in unit.sups:  # every rank: a group is rebuilt whole
             try:
                 ray.get(sup.kill.remote(), timeout=RPC_TIMEOUT_S)
-            except RayActorError:  # out of Ray restarts: new actors in the same bundles
+            except (RayActorError, GetTimeoutError):  # gone for good or stuck: new actors, same bundles
                 self._free_actors_only(unit)
                 break
         self._launch(unit)
@@ -490,14 +510,14 @@ class Controller:
             with self.lock:
                 missing = self.cfg.pool.nodes - sum(1 for u in self.units.values() if u.role == "pool")
             for _ in range(missing):
-                self._launch(self._new_unit(f"pool-{next(self.names['pool'])}", "pool"))
+                self._start(self._new_unit(f"pool-{next(self.names['pool'])}", "pool"))
             return
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         with self.lock:
             have = {u.node_id: u for u in self.units.values() if u.role == "pool"}
         for node_id in alive:
             if node_id not in have:
-                self._launch(self._new_unit(f"pool-{node_id[:8]}", "pool", node_id=node_id))
+                self._start(self._new_unit(f"pool-{node_id[:8]}", "pool", node_id=node_id))
         for node_id, unit in have.items():
             if node_id not in alive and unit.state == "running":
                 self._event(f"Ray node {node_id[:8]} left: dropping {unit.name}")
@@ -555,9 +575,14 @@ def get_controller(namespace: str):
 
 def up(cfg: ClusterConfig, detach: bool = False, say=print):
     """Create the controller and start the cluster; returns (controller, status). Prints progress."""
+    from kvferry.deploy.config import cluster_config_to_dict
+
     cfg.validate()
-    with contextlib.suppress(LaunchError):
+    try:
         get_controller(cfg.namespace)
+    except LaunchError:
+        pass  # none yet: good
+    else:
         raise LaunchError(
             f"a kvferry cluster with namespace {cfg.namespace!r} already runs on this Ray cluster "
             "(kvferry down --ray, or pick another namespace)"

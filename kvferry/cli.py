@@ -387,7 +387,8 @@ def _up_ray(args, cfg) -> int:
     if args.log_dir is not None:
         cfg = replace(cfg, ray=replace(cfg.ray, log_dir=str(args.log_dir)))
     say = lambda line: print(f"kvferry: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    ray_launch.connect(args.address or cfg.ray.address)
+    # a detached cluster needs a Ray that outlives this command: an existing one, never a private one
+    ray_launch.connect(args.address or cfg.ray.address or ("auto" if args.detach else None))
     try:
         ctrl, status = ray_launch.up(cfg, detach=args.detach, say=say)
     except ray_launch.LaunchError as err:

@@ -110,6 +110,9 @@ def test_groups_are_placed_across_nodes(kv, ray_nodes):
     pools = [u for u in got.values() if u["role"] == "pool"]
     assert {u["ranks"][0]["node_id"] for u in pools} == ray_nodes["all"]  # one per Ray node
     assert all(u["state"] == "running" and u["restarts"] == 0 for u in got.values())
+    again = ClusterConfig(namespace="test-ray")
+    with pytest.raises(ray_launch.LaunchError, match="already runs"):  # one cluster per namespace
+        ray_launch.up(again, say=lambda line: None)
 
 
 def test_greedy_tokens_equal_the_reference(client, prompts, reference):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,23 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
                 outputs = [f.result().finished.output_tokens for f in first + second]
             assert outputs == [150] * 4  # nothing lost, on the way up or down
             assert client.model_info().num_decode_workers == 1
-        proc.send_signal(signal.SIGTERM)
+            nobody = subprocess.run(
+                [sys.executable, "-m", "kvferry.cli", "scale", "--redis-url", redis_url, "--namespace", "x"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert nobody.returncode == 2 and "no kvferry up serves namespace 'x'" in nobody.stderr
+            # SIGTERM with requests in flight: the workers drain before the router goes
+            with ThreadPoolExecutor(2) as pool:
+                last = [pool.submit(client.generate, long, 120) for _ in range(2)]
+                meta = MetadataStore(redis_url, "default")
+                deadline = time.monotonic() + 30
+                while meta.members("decode").get("decode-0", {}).get("inflight", 0) < 2:
+                    assert time.monotonic() < deadline, "the requests never reached the decode worker"
+                    time.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+                assert [f.result().finished.output_tokens for f in last] == [150, 150]
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
