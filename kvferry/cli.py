@@ -388,7 +388,9 @@ def _up_ray(args, cfg) -> int:
         cfg = replace(cfg, ray=replace(cfg.ray, log_dir=str(args.log_dir)))
     say = lambda line: print(f"kvferry: {line}", file=sys.stderr, flush=True)  # noqa: E731
     # a detached cluster needs a Ray that outlives this command: an existing one, never a private one
-    ray_launch.connect(args.address or cfg.ray.address or ("auto" if args.detach else None))
+    # (the controller's events are printed here; its own log would repeat them)
+    address = args.address or cfg.ray.address or ("auto" if args.detach else None)
+    ray_launch.connect(address, log_to_driver=False)
     try:
         ctrl, status = ray_launch.up(cfg, detach=args.detach, say=say)
     except ray_launch.LaunchError as err:
