@@ -433,7 +433,9 @@ def _down_parser(sub) -> None:
 
 def _control_args(p) -> None:
     p.add_argument("--ray", action="store_true", help="the cluster runs on Ray (kvferry up --ray)")
-    p.add_argument("--address", default=None, help="the Ray cluster (default: RAY_ADDRESS / this machine's)")
+    p.add_argument(
+        "--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, or the one running here)"
+    )
     p.add_argument("--namespace", default="default", help="the cluster's namespace")
     p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): the Redis URL it printed")
 
@@ -442,7 +444,7 @@ def _cmd_scale(args) -> int:
     if args.ray:
         from kvferry.deploy import ray_launch
 
-        ray_launch.connect(args.address, log_to_driver=False)
+        ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
         try:
             ctrl = ray_launch.get_controller(args.namespace)
             import ray
@@ -473,7 +475,7 @@ def _cmd_down(args) -> int:
         return 2
     from kvferry.deploy import ray_launch
 
-    ray_launch.connect(args.address, log_to_driver=False)
+    ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
     try:
         ctrl = ray_launch.get_controller(args.namespace)
     except ray_launch.LaunchError as err:

@@ -7,6 +7,7 @@ known. Everything is real: Ray actors supervising the component processes, gloo 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -228,3 +229,30 @@ def test_cli_up_ray_answers_a_prompt_and_takes_everything_down(ray_nodes, tiny_m
     assert "finish_reason=length" in proc.stderr and "output=8 " in proc.stderr
     with pytest.raises(ray_launch.LaunchError):
         ray_launch.get_controller("test-ray-cli")  # `up` took its cluster down on the way out
+
+
+def test_cli_scale_without_counts_reports_the_running_cluster(kv):
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvferry.cli", "scale", "--ray"),
+            "--address",
+            address,
+            "--namespace",
+            "test-ray",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    status = json.loads(done.stdout)
+    assert status["phase"] == "ready" and status["router"] == kv[1]["router"]
+    assert {u["role"] for u in status["units"]} == {"redis", "router", "pool", "prefill", "decode"}
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "down", "--ray", "--address", address, "--namespace", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "no kvferry cluster with namespace 'nope'" in missing.stderr
