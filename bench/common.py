@@ -62,6 +62,32 @@ def rank_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
+def rank_run(kind: str, size: int, threads: int = 0) -> tuple[int, str]:
+    """(threads per rank, label) of a run of `size` rank processes: `threads` or the fair share."""
+    threads = threads or rank_threads(size)
+    return threads, f"{kind}{size}" + ("" if threads == rank_threads(size) else f" ({threads} thread)")
+
+
+def add_rank_bench_args(ap, reference: str) -> None:
+    """The flags the rank-process benchmarks share; `reference` names the 1-thread run's figure."""
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--no-reference", action="store_true", help=f"skip the size-1 run with 1 thread ({reference})"
+    )
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for the rank processes")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
+
+
+def bench_model(args) -> tuple[Path, ModelConfig, torch.dtype]:
+    """The --model checkpoint, its config and the --dtype it runs in on CPU."""
+    from kvferry.model.config import resolve_dtype
+
+    model_dir = bench_model_dir(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    return model_dir, cfg, resolve_dtype(args.dtype, cfg, torch.device("cpu"))
+
+
 class Timed:
     """Wraps callables (collectives of a Comm, module forwards) on their instances: wall seconds, calls,
     and the bytes of the first tensor argument (a collective's payload)."""

@@ -43,10 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timed, bench_model_dir, print_result, rank_threads
+from common import Timed, add_rank_bench_args, bench_model, print_result, rank_run, rank_threads
 
 from kvferry.decode_worker.model_runner import ModelRunner, StepInputs
-from kvferry.model.config import ModelConfig, resolve_dtype
 from kvferry.model.loader import load_model
 from kvferry.model.moe import ExpertParallelMoe
 from kvferry.model.parallel import Comm, Parallel, init_group, spawn_ranks
@@ -155,8 +154,7 @@ def decode_rank(
 
 def run_ep(size: int, model_dir: Path, dtype: torch.dtype, args, threads: int = 0) -> dict:
     """`size` rank processes of `threads` threads each (default os.cpu_count() // size)."""
-    threads = threads or rank_threads(size)
-    label = f"ep{size}" + ("" if threads == rank_threads(size) else f" ({threads} thread)")
+    threads, label = rank_run("ep", size, threads)
     print(
         f"EP={size}: {size} rank process(es), {args.batch // size} sequences and {threads} thread(s) each",
         file=sys.stderr,
@@ -204,25 +202,17 @@ def run_ep(size: int, model_dir: Path, dtype: torch.dtype, args, threads: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bench")
-    ap.add_argument("--dtype", default="auto")
+    add_rank_bench_args(ap, "ep1_1thread_step_ms")
     ap.add_argument("--batch", type=int, default=32, help="sequences in the batch, all ranks")
     ap.add_argument("--context", type=int, default=256, help="tokens already in each sequence's cache")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--prefill-batch", type=int, default=4, help="sequences per cache-filling prefill pass")
-    ap.add_argument(
-        "--no-reference", action="store_true", help="skip the EP=1 run with 1 thread (ep1_1thread_step_ms)"
-    )
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for the rank processes")
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = ap.parse_args()
     if args.batch % 2:
         ap.error("--batch must be even (EP=2 splits it in half)")
 
-    model_dir = bench_model_dir(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
-    dtype = resolve_dtype(args.dtype, cfg, torch.device("cpu"))
+    model_dir, cfg, dtype = bench_model(args)
     print(
         f"decode at batch {args.batch}, context {args.context}, on {cfg.name} ({dtype}, {cfg.num_experts} "
         f"experts, top-{cfg.num_experts_per_tok}), {args.warmup} warmup + {args.steps} timed steps, "

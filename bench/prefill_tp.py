@@ -35,10 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timed, bench_model_dir, print_result, rank_threads
+from common import Timed, add_rank_bench_args, bench_model, print_result, rank_run, rank_threads
 
 from kvferry.decode_worker.model_runner import ModelRunner, StepInputs
-from kvferry.model.config import ModelConfig, resolve_dtype
 from kvferry.model.loader import load_model
 from kvferry.model.parallel import Comm, Parallel, init_group, spawn_ranks
 
@@ -110,8 +109,7 @@ def prefill_rank(
 
 def run_tp(size: int, model_dir: Path, dtype: torch.dtype, args, threads: int = 0) -> dict:
     """`size` rank processes of `threads` threads each (default os.cpu_count() // size)."""
-    threads = threads or rank_threads(size)
-    label = f"tp{size}" + ("" if threads == rank_threads(size) else f" ({threads} thread)")
+    threads, label = rank_run("tp", size, threads)
     print(f"TP={size}: {size} rank process(es), {threads} thread(s) each", file=sys.stderr)
     dtype_name = str(dtype).removeprefix("torch.")
     ranks = spawn_ranks(
@@ -136,21 +134,13 @@ def run_tp(size: int, model_dir: Path, dtype: torch.dtype, args, threads: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bench")
-    ap.add_argument("--dtype", default="auto")
+    add_rank_bench_args(ap, "tp1_1thread_ms")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument(
-        "--no-reference", action="store_true", help="skip the TP=1 run with 1 thread (tp1_1thread_ms)"
-    )
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for the rank processes")
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = ap.parse_args()
 
-    model_dir = bench_model_dir(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
-    dtype = resolve_dtype(args.dtype, cfg, torch.device("cpu"))
+    model_dir, cfg, dtype = bench_model(args)
     print(
         f"prefill of {args.prompt_len} tokens on {cfg.name} ({dtype}), {args.warmup} warmup + "
         f"{args.iters} timed iterations, {os.cpu_count()} CPU cores",

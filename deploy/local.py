@@ -203,13 +203,8 @@ class LocalCluster:
             raise
         for child in retire:
             self.groups[_kind(child.name)].remove(child)
-            child.proc.send_signal(signal.SIGTERM)
+        _terminate(retire, self.cfg.drain_timeout_s + 10)
         for child in retire:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(self.cfg.drain_timeout_s + 10)
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait()
             self.children.remove(child)
 
     def _start_redis(self, host: str, deadline: float) -> str:
@@ -223,17 +218,7 @@ class LocalCluster:
         SIGTERM, then SIGKILL after `timeout_s` (for workers, after their drain timeout)."""
         for kind in STOP_ORDER:
             tier = [c for c in self.children if _kind(c.name) == kind]
-            for child in tier:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            limit = self.cfg.drain_timeout_s + 5 if kind in ("prefill", "decode") else timeout_s
-            deadline = time.monotonic() + limit
-            for child in tier:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.proc.wait(max(0.01, deadline - time.monotonic()))
-                if child.proc.poll() is None:
-                    child.proc.kill()
-                    child.proc.wait()
+            _terminate(tier, self.cfg.drain_timeout_s + 5 if kind in ("prefill", "decode") else timeout_s)
         self.children = []
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -248,6 +233,20 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _terminate(children: list[Child], limit_s: float) -> None:
+    """SIGTERM every child at once, then SIGKILL whichever still runs `limit_s` later."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + limit_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.01, deadline - time.monotonic()))
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
 
 
 def _kind(name: str) -> str:

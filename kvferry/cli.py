@@ -440,17 +440,30 @@ def _control_args(p) -> None:
     p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): the Redis URL it printed")
 
 
+def _ray_controller(args):
+    """The controller of a running `kvferry up --ray` cluster (None after printing why there is none)."""
+    from kvferry.deploy import ray_launch
+
+    ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
+    try:
+        return ray_launch.get_controller(args.namespace)
+    except ray_launch.LaunchError as err:
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return None
+
+
 def _cmd_scale(args) -> int:
     if args.ray:
+        import ray
+
         from kvferry.deploy import ray_launch
 
-        ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
+        ctrl = _ray_controller(args)
+        if ctrl is None:
+            return 2
         try:
-            ctrl = ray_launch.get_controller(args.namespace)
-            import ray
-
             status = ray.get(ctrl.scale.remote(prefill=args.prefill, decode=args.decode))
-        except (ray_launch.LaunchError, ValueError) as err:
+        except ValueError as err:  # a count the controller refused
             print(f"kvferry: error: {err}", file=sys.stderr)
             return 2
         except ray_launch.RayTaskError as err:
@@ -475,11 +488,8 @@ def _cmd_down(args) -> int:
         return 2
     from kvferry.deploy import ray_launch
 
-    ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
-    try:
-        ctrl = ray_launch.get_controller(args.namespace)
-    except ray_launch.LaunchError as err:
-        print(f"kvferry: error: {err}", file=sys.stderr)
+    ctrl = _ray_controller(args)
+    if ctrl is None:
         return 2
     ray_launch.down(ctrl)
     print(f"kvferry: cluster {args.namespace!r} stopped", file=sys.stderr)
