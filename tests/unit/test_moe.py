@@ -34,7 +34,9 @@ def test_matches_reference(weights, tokens, padded, monkeypatch):
     w13, w2, router = weights
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
     w, ids = route(x, router, K, renormalize=False)
-    assert torch.allclose(experts_forward(x, ids, w, w13, w2), reference(x, ids, w, w13, w2), atol=1e-5)
+    want = reference(x, ids, w, w13, w2)
+    # float32 rounding of sums whose terms reach |want|.max() (~200 here), whatever the summation order
+    assert torch.allclose(experts_forward(x, ids, w, w13, w2), want, atol=1e-6 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("padded", [True, False])
