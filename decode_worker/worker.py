@@ -98,9 +98,11 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         return list(self.streams)
 
     def load(self) -> dict:
-        bm = self.engine.block_manager
+        bm, sched = self.engine.block_manager, self.engine.scheduler
         return {
             "inflight": len(self.streams),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(self.kv_waiting),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
         }
@@ -150,8 +152,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
         if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
-            stream.sent_first = True  # no KV hand-off figures to report
-            self.engine.submit(stream.req)
+            self.engine.submit(stream.req)  # (its first message reports prefix-cache hits, no hand-off)
             return
         stream.req.status = RequestStatus.WAITING_FOR_KV
         if not self._start_pull(stream):
@@ -240,6 +241,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 )
                 msg.pulled_tokens = stream.pulled_tokens
                 msg.recomputed_tokens = stream.recomputed_tokens
+                if stream.request.prefill_here:
+                    msg.cached_tokens = stream.req.num_cached_tokens
             stream.out.put(msg)
             if out.finished:
                 del self.streams[out.request_id]

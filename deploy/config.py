@@ -5,7 +5,7 @@ model: tiny            # checkpoint directory or built-in name
 dtype: auto
 namespace: default     # Redis key prefix (several clusters can share one Redis)
 redis_url: null        # null: `kvferry up` starts its own redis-server
-router: {host: 127.0.0.1, port: 50051, max_inflight: 256}
+router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null}
 pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 2048, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
@@ -42,6 +42,8 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     max_inflight: int = 256
+    http_port: int | None = 8000  # OpenAI-compatible API + /metrics; None = off, 0 = any free
+    served_model_name: str | None = None  # the OpenAI API's model name (default: `model`)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,9 @@ class ClusterConfig:
                 _check_resources(f"{role}.resources", settings.resources)
         if not 0 <= self.router.port < 65536:
             raise ClusterConfigError(f"router.port must be in [0, 65535], got {self.router.port}")
+        http = self.router.http_port
+        if http is not None and (not isinstance(http, int) or not 0 <= http < 65536):
+            raise ClusterConfigError(f"router.http_port must be in [0, 65535] or null (off), got {http!r}")
         for group in ("prefill", "decode"):
             for settings in self.groups(group):
                 unknown = set(settings.engine) - _ENGINE_FIELDS
@@ -164,6 +169,12 @@ class ClusterConfig:
             cfg = replace(cfg, router=replace(cfg.router, port=values["port"]))
         if values.get("host") is not None:
             cfg = replace(cfg, router=replace(cfg.router, host=values["host"]))
+        if values.get("no_http"):
+            cfg = replace(cfg, router=replace(cfg.router, http_port=None))
+        elif values.get("http_port") is not None:
+            cfg = replace(cfg, router=replace(cfg.router, http_port=values["http_port"]))
+        if values.get("served_model_name") is not None:
+            cfg = replace(cfg, router=replace(cfg.router, served_model_name=values["served_model_name"]))
         for group, key in (
             ("prefill", "prefill_tensor_parallel_size"),
             ("decode", "decode_expert_parallel_size"),

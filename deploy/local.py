@@ -88,6 +88,7 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     redis_url: str = ""
     router_addr: str = ""
+    http_url: str = ""  # the OpenAI-compatible API ("" when off)
     model_dir: Path | None = None
     groups: dict[str, list[Child]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     _names: dict = field(default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
@@ -149,8 +150,12 @@ class LocalCluster:
                 for _ in range(settings.replicas):
                     self._start_group(role, index)
         port = cfg.router.port or free_port(host)
-        self._spawn("router", router_argv(cfg, str(model_dir), host, port, self.redis_url))
+        http_port = cfg.router.http_port
+        if http_port == 0:
+            http_port = free_port(host)
+        self._spawn("router", router_argv(cfg, str(model_dir), host, port, self.redis_url, http_port))
         self.router_addr = f"{host}:{port}"
+        self.http_url = "" if http_port is None else f"http://{host}:{http_port}"
         wait_until_ready(self.router_addr, expected_members(cfg), deadline, self._check_alive, self._say)
         return self.router_addr
 
@@ -312,11 +317,16 @@ def worker_argv(
     ]
 
 
-def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, redis_url: str) -> list[str]:
+def router_argv(
+    cfg: ClusterConfig, model: str, host: str, port: int, redis_url: str, http_port: int | None
+) -> list[str]:
+    """`http_port`: the OpenAI API's (None = off)."""
+    served = cfg.router.served_model_name or cfg.model
     return [
-        *(sys.executable, "-m", "kvferry.router", "--model", model),
+        *(sys.executable, "-m", "kvferry.router", "--model", model, "--served-model-name", served),
         *_common(cfg, host, redis_url),
         *("--port", str(port), "--max-inflight", str(cfg.router.max_inflight)),
+        *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
         *(["--colocated"] if cfg.colocated else []),
     ]
 

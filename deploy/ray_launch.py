@@ -146,6 +146,7 @@ class Unit:
     pg: object = None  # worker groups: the placement group
     node_id: str = ""  # per-node pool nodes: the Ray node it lives on
     port: int = 0  # redis / router: kept across relaunches (the others know it)
+    http_port: int | None = None  # router: its OpenAI API's, likewise
     state: str = "new"  # new | running | draining | failed
     restarts: int = 0
     where: list = field(default_factory=list)
@@ -173,6 +174,7 @@ class Controller:
         self.names = {role: itertools.count() for role in ("prefill", "decode", "pool")}
         self.redis_url = self.cfg.redis_url or ""
         self.router_addr = ""
+        self.http_url = ""
         self.model_dir: Path | None = None
         self.events: list[str] = []
         self.event_count = 0
@@ -205,7 +207,8 @@ class Controller:
         self._start(self._new_unit("router", "router"))
         wait_until_ready(self.router_addr, self._want, deadline, lambda: self._check_started(), self._event)
         self.phase = "ready"
-        self._event(f"ready: router at {self.router_addr}")
+        http = f", OpenAI API at {self.http_url}/v1" if self.http_url else ""
+        self._event(f"ready: router at {self.router_addr}{http}")
         self._watcher = threading.Thread(target=self._watch, name="watcher", daemon=True)
         self._watcher.start()
         return self.status()
@@ -398,9 +401,14 @@ class Controller:
         elif unit.role == "router":
             host = cfg.router.host
             unit.port = unit.port or cfg.router.port or ray.get(unit.sups[0].free_port.remote())
-            argvs = [router_argv(cfg, cfg.model, host, unit.port, self.redis_url)]
+            if cfg.router.http_port is not None:
+                unit.http_port = (
+                    unit.http_port or cfg.router.http_port or ray.get(unit.sups[0].free_port.remote())
+                )
+            argvs = [router_argv(cfg, cfg.model, host, unit.port, self.redis_url, unit.http_port)]
             reach = ip if host in ("0.0.0.0", "::", "") else host
             self.router_addr = f"{reach}:{unit.port}"
+            self.http_url = "" if unit.http_port is None else f"http://{reach}:{unit.http_port}"
         else:
             base = worker_argv(cfg, unit.role, unit.kind, unit.name, cfg.model, "{host}", self.redis_url)
             argvs = [base]
@@ -533,6 +541,7 @@ class Controller:
         return {
             "phase": self.phase,
             "router": self.router_addr,
+            "http": self.http_url,
             "redis_url": self.redis_url,
             "log_dir": self.log_dir,
             "units": [

@@ -287,6 +287,14 @@ def _up_parser(sub) -> None:
     up.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     up.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 = any free)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the router's OpenAI-compatible API and /metrics (default 8000; 0 = any free)",
+    )
+    up.add_argument("--no-http", action="store_true", default=None, help="serve the gRPC API only")
+    up.add_argument("--served-model-name", default=None, help="the OpenAI API's model name (default --model)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--prefill-replicas", type=int, default=None)
     up.add_argument("--decode-replicas", type=int, default=None)
@@ -331,6 +339,9 @@ def _cmd_up(args) -> int:
         dtype=args.dtype,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
+        no_http=args.no_http,
+        served_model_name=args.served_model_name,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
@@ -355,8 +366,10 @@ def _cmd_up(args) -> int:
         cluster.stop()
         raise
     try:
+        http = f", OpenAI API at {cluster.http_url}/v1" if cluster.http_url else ""
         print(
-            f"kvferry cluster ready: router at {addr} (redis {cluster.redis_url}, logs in {cluster.log_dir})",
+            f"kvferry cluster ready: router at {addr} (redis {cluster.redis_url}{http}, logs in "
+            f"{cluster.log_dir})",
             flush=True,
         )
         if args.prompt is None:
@@ -397,8 +410,9 @@ def _up_ray(args, cfg) -> int:
         print(f"kvferry: error: {err}", file=sys.stderr)
         return 1
     addr = status["router"]
+    http = f"OpenAI API at {status['http']}/v1, " if status.get("http") else ""
     print(
-        f"kvferry cluster ready: router at {addr} (Ray controller "
+        f"kvferry cluster ready: router at {addr} ({http}Ray controller "
         f"{ray_launch.controller_name(cfg.namespace)}, logs in {status['log_dir']} on each node)",
         flush=True,
     )

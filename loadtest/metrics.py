@@ -30,6 +30,14 @@ class RequestRecord:
     status: str = "OK"  # "OK", or the gRPC status name of the failure
     token_times: list[float] = field(default_factory=list)  # arrival time of each streamed message
 
+    def token_arrived(self, now: float, tokens: int) -> None:
+        """A streamed message with `tokens` new tokens arrived at `now`."""
+        self.token_times.append(now)
+        self.output_tokens += tokens
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
     @property
     def ok(self) -> bool:
         return self.status == "OK" and self.first_token is not None

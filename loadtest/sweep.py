@@ -1,6 +1,7 @@
 """`kvferry loadtest sweep`: run locust headless once per request rate, then report SLO goodput.
 
-For each target (the cluster, and with `--compare` a second one) and each rate: one locust run of
+For each target (the cluster, and with `--compare` a second one; a router's gRPC HOST:PORT, or
+http://HOST:PORT of any OpenAI-compatible server) and each rate: one locust run of
 `--duration` seconds of open-loop arrivals, its JSONL records kept in OUT/<label>/rate-<r>.jsonl.
 Then per rate: TTFT/TPOT/ITL/E2EL p50/p90/p99, SLO attainment, throughput; per target: the goodput.
 Written to OUT: sweep.csv (a row per target and rate), summary.json, attainment.png, latency.png.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import subprocess
@@ -26,8 +28,12 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="router HOST:PORT")
-    p.add_argument("--compare", default=None, help="a second router HOST:PORT swept the same way")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="router HOST:PORT (gRPC), or http://HOST:PORT of any OpenAI-compatible server (completions)",
+    )
+    p.add_argument("--compare", default=None, help="a second target (either kind) swept the same way")
     p.add_argument("--labels", default="", help="names of the targets in the report, comma-separated")
     p.add_argument("--rates", default="0.5,1,2,4,8", help="requests per second, comma-separated")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
@@ -40,12 +46,20 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=0, help="locust users (default: enough for the rate)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vocab-size", type=int, default=0, help="for HTTP targets that report none (prompts are token ids)"
+    )
     p.add_argument("--out", type=Path, required=True)
 
 
 def users_for(rate: float, duration: float) -> int:
     """Enough users that arrivals never wait for a free one (each holds one request in flight)."""
     return max(8, min(2000, math.ceil(rate * min(duration, 60.0)) + 8))
+
+
+def user_class(target: str) -> str:
+    """The locustfile's user for a target: OpenAI completions over HTTP, or the router's gRPC API."""
+    return "OpenAIUser" if target.startswith(("http://", "https://")) else "GenerateUser"
 
 
 def run_rate(args, target: str, rate: float, records: Path, bar: tqdm) -> float:
@@ -87,6 +101,9 @@ def run_rate(args, target: str, rate: float, records: Path, bar: tqdm) -> float:
         str(args.seed),
         "--request-timeout",
         str(args.request_timeout),
+        "--vocab-size",
+        str(args.vocab_size),
+        user_class(target),
     ]
     log = records.with_suffix(".log")
     started = time.monotonic()
@@ -140,6 +157,8 @@ def _ms(value: float | None) -> str:
 
 
 def run_sweep(args) -> dict:
+    if importlib.util.find_spec("locust") is None:
+        raise SystemExit("kvferry loadtest needs locust and matplotlib: pip install -e '.[loadtest]'")
     rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
     if not rates or min(rates) <= 0:
         raise SystemExit("--rates must list positive request rates")

@@ -1,8 +1,9 @@
 """Deterministic default models: seeded weights in HF Qwen3-MoE layout and a locally trained BPE tokenizer.
 
 `create_model("tiny", out)` writes config.json, generation_config.json, tokenizer.json,
-tokenizer_config.json and safetensors. The same spec, seed and Python standard library give the same
-bytes. Like vLLM's `--load-format dummy`, this stands in for hub downloads, which do not exist here.
+tokenizer_config.json (with a ChatML chat template) and safetensors. The same spec, seed and Python
+standard library give the same bytes. Like vLLM's `--load-format dummy`, this stands in for hub
+downloads, which do not exist here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from kvferry.model.chat_template import CHATML
 from kvferry.model.config import ModelConfig, ModelConfigError
 
 SPECS = ("tiny", "bench")
@@ -66,7 +68,9 @@ def create_from_spec(spec: dict, out: Path, seed: int = 0, max_shard_bytes: int 
         config.setdefault("hidden_act", "silu")
         config.setdefault("attention_bias", False)
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
+        # chat turns end with <|im_end|> (as in Qwen's generation_config), text with <|endoftext|>
+        chat_eos = [config["eos_token_id"], tokenizer.token_to_id("<|im_end|>")]
+        _write_json(tmp / "generation_config.json", {"eos_token_id": chat_eos})
         _write_json(
             tmp / "tokenizer_config.json",
             {
@@ -74,6 +78,7 @@ def create_from_spec(spec: dict, out: Path, seed: int = 0, max_shard_bytes: int 
                 "eos_token": SPECIAL_TOKENS[0],
                 "pad_token": SPECIAL_TOKENS[0],
                 "model_max_length": spec.get("max_position_embeddings", 4096),
+                "chat_template": CHATML,
             },
         )
         dtype = getattr(torch, spec.get("torch_dtype", "bfloat16"))

@@ -94,8 +94,14 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         return not self.jobs and not self._pending_puts
 
     def load(self) -> dict:
-        sched = self.engine.scheduler
-        return {"inflight": len(self.jobs), "waiting": len(sched.waiting), "running": len(sched.running)}
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        return {
+            "inflight": len(self.jobs),
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+        }
 
     # -- gRPC -----------------------------------------------------------------------------------------
     def Prefill(self, request, context):
@@ -253,6 +259,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             "data": data,
             "node_id": node_id,
             "cached": cached,
+            "pool_cached": pool_hits,
             "computed": req.num_prompt_tokens - cached,
             "prefill_done": time.perf_counter(),
         }
@@ -305,6 +312,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             blocks=[to_proto(loc) for loc in prefix],
             num_kv_tokens=min(len(prefix) * bs, req.num_prompt_tokens),
             cached_tokens=plan["cached"],
+            pool_cached_tokens=plan["pool_cached"],
             computed_tokens=plan["computed"],
             queue_ms=(job.started - job.arrived) * 1e3,
             prefill_ms=(plan["prefill_done"] - job.started) * 1e3,

@@ -39,8 +39,16 @@ class Member:
     group: str = ""  # the worker group (an expert-parallel decode group has one member per rank)
     free_blocks: int = 0  # KV blocks free, as of the last heartbeat minus what was sent since
     draining: bool = False  # finishing what it has; gets nothing new (scale-down, shutdown)
+    beat: dict = field(default_factory=dict)  # its last heartbeat record (load figures, for /metrics)
     last_seen: float = field(default_factory=time.monotonic)
     suspect_until: float = 0.0
+
+
+@dataclass
+class PoolNode:
+    addr: str
+    last_seen: float
+    beat: dict  # its last heartbeat record (slab slots, for /metrics)
 
 
 class Directory:
@@ -52,7 +60,7 @@ class Directory:
         self.refresh_s = refresh_s
         self.grace_s = grace_s
         self.members: dict[str, dict[str, Member]] = {role: {} for role in ROLES}
-        self.pool_nodes: dict[str, tuple[str, float]] = {}  # node id -> (address, last seen)
+        self.pool_nodes: dict[str, PoolNode] = {}
         self.model: worker_pb2.WorkerInfo | None = None
         self._rr = {role: itertools.count() for role in ROLES}
         self._task: asyncio.Task | None = None
@@ -93,6 +101,7 @@ class Directory:
                 member.group = record.get("group") or member_id
                 member.free_blocks = int(record.get("free_blocks", 0))
                 member.draining = bool(record.get("draining", False))
+                member.beat = record
             for member_id, member in list(current.items()):
                 if now - member.last_seen > self.grace_s:
                     log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
@@ -101,9 +110,9 @@ class Directory:
         nodes = await asyncio.to_thread(self.meta.members, "pool")
         if nodes is not None:
             for node_id, info in nodes.items():
-                self.pool_nodes[node_id] = (info["addr"], now)
-            for node_id, (_, seen) in list(self.pool_nodes.items()):
-                if now - seen > self.grace_s:
+                self.pool_nodes[node_id] = PoolNode(info["addr"], now, info)
+            for node_id, node in list(self.pool_nodes.items()):
+                if now - node.last_seen > self.grace_s:
                     del self.pool_nodes[node_id]
 
     async def _add(self, role: str, member_id: str, addr: str) -> Member | None:

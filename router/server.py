@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import signal
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -31,6 +33,7 @@ from kvferry.kvpool.metadata import MetadataStore
 from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.router.directory import Directory, Member
+from kvferry.router.metrics import RequestTrack, RouterMetrics
 from kvferry.rpc import CHANNEL_OPTIONS, hard_exit, service_names
 from kvferry.settings import load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
@@ -50,29 +53,54 @@ class RouterConfig:
     max_inflight: int = 256
     refresh_s: float = 0.5
     colocated: bool = False  # no prefill workers: decode workers run both phases (the baseline)
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API and /metrics; None = off, 0 = any free
+    served_model_name: str | None = None  # the name the HTTP API answers to (default: `model`)
 
 
 @dataclass
 class Inflight:
     request_id: str
+    deadline: float | None  # time.monotonic() by which the client wants it done
+    ids: list[int]
+    params: SamplingParams
+    t0: float  # perf_counter() when it arrived
+    track: RequestTrack
     aborted: bool = False
     decode: Member | None = None
     calls: list = field(default_factory=list)
     release_pool: bool = False  # the pool may still hold the request's private tail block
 
+    def remaining(self) -> float | None:
+        """Seconds left until the deadline (for worker calls), None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
 
 class RequestRejected(Exception):
+    """A request the cluster cannot serve (overload, no workers, a worker failed); `code` says which."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
 
 
+def error_code(err: Exception) -> grpc.StatusCode:
+    return err.code if isinstance(err, RequestRejected) else grpc.StatusCode.INVALID_ARGUMENT
+
+
+def cached_of(prefill: worker_pb2.PrefillResponse) -> tuple[int, int]:
+    """(prefix-cache hit tokens, of which pulled from the pool) of a prefill."""
+    return prefill.cached_tokens, prefill.pool_cached_tokens
+
+
 class Router(generate_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
-        self.tokenizer = Tokenizer(resolve_model(cfg.model, load_settings().models_dir))
+        self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.served_model_name = cfg.served_model_name or cfg.model
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
+        self.metrics = RouterMetrics(self.served_model_name, self.directory)
         self.inflight: dict[str, Inflight] = {}
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
 
@@ -136,30 +164,73 @@ class Router(generate_pb2_grpc.GenerationServicer):
 
     # -- Generate -------------------------------------------------------------------------------------
     async def Generate(self, request, context):
-        t0 = time.perf_counter()
+        """The gRPC face of `generate`: typed errors become status codes."""
         try:
-            request_id, ids, params = self._prepare(request)
+            async with contextlib.aclosing(self.generate(request, context.time_remaining())) as stream:
+                async for message in stream:
+                    yield message
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except RequestRejected as err:
             await context.abort(err.code, str(err))
-        handle = Inflight(request_id)
+
+    async def generate(
+        self, request: generate_pb2.GenerateRequest, timeout: float | None = None, api: str = "grpc"
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Serve one request, whichever API it came by: `admit`, then `run`'s messages."""
+        handle = self.admit(request, timeout, api)
+        async with contextlib.aclosing(self.run(handle)) as stream:
+            async for message in stream:
+                yield message
+
+    def admit(self, request: generate_pb2.GenerateRequest, timeout: float | None, api: str) -> Inflight:
+        """Validate and admit a request (it counts as in flight from now on): then `run` it, or
+        `withdraw` it. Raises InvalidRequestError (bad input) or RequestRejected (RESOURCE_EXHAUSTED past
+        --max-inflight, UNAVAILABLE before the cluster is ready)."""
+        t0 = time.perf_counter()
+        try:
+            request_id, ids, params = self._prepare(request)
+        except (InvalidRequestError, RequestRejected) as err:
+            self.metrics.rejected(api, error_code(err).name)
+            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = Inflight(request_id, deadline, ids, params, t0, self.metrics.track(api, t0))
         self.inflight[request_id] = handle
+        return handle
+
+    def withdraw(self, handle: Inflight) -> None:
+        """Forget an admitted request that was never run (nothing was sent to a worker)."""
+        handle.track.done(grpc.StatusCode.CANCELLED.name)
+        del self.inflight[handle.request_id]
+
+    async def run(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The stream of an admitted request, the last message with `finished`. Raises RequestRejected
+        when a worker fails it (its code says why). Closing the stream early (the client went away)
+        releases everything the request holds in the workers and the pool."""
+        code = grpc.StatusCode.CANCELLED
         completed = False
         try:
-            async for message in self._generate(handle, ids, params, context, t0):
+            async for message in self._generate(handle, handle.ids, handle.params, handle.t0):
+                handle.track.message(message)
                 yield message
             completed = True
+        except (InvalidRequestError, RequestRejected) as err:
+            code = error_code(err)
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
         finally:
+            handle.track.done(code.name)
             try:
                 if not completed or handle.aborted:
                     await self._cleanup(handle)
                 elif handle.release_pool:
-                    await self._release_pool(request_id)
+                    await self._release_pool(handle.request_id)
             finally:  # only now may the id be reused: cleanup must not hit its successor
-                del self.inflight[request_id]
+                del self.inflight[handle.request_id]
 
-    async def _generate(self, handle: Inflight, ids: list[int], params: SamplingParams, context, t0: float):
+    async def _generate(self, handle: Inflight, ids: list[int], params: SamplingParams, t0: float):
         model = self.directory.model
         rid = handle.request_id
         req = Request(rid, ids, params)
@@ -167,21 +238,20 @@ class Router(generate_pb2_grpc.GenerationServicer):
         fingerprint = bytes.fromhex(model.fingerprint)
         keys = block_keys(ids, model.block_size, fingerprint)
         cached = len(await asyncio.to_thread(self.meta.lookup_prefix, keys)) * model.block_size
-        timeout = context.time_remaining()
 
         if handle.aborted:
-            yield self._final(handle, req, state, "abort", cached, {}, t0)
+            yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
             return
         if self.cfg.colocated:
-            async for message in self._colocated(handle, req, state, params, context, t0):
+            async for message in self._colocated(handle, req, state, params, t0):
                 yield message
             return
         prefill_worker = self.directory.pick("prefill")
         if prefill_worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
         t_prefill = time.perf_counter()
         sampling = sampling_to_proto(params)
-        prefill = await self._call_prefill(handle, prefill_worker, ids, sampling, timeout, context)
+        prefill = await self._call_prefill(handle, prefill_worker, ids, sampling)
         if prefill is None:
             yield self._final(handle, req, state, "abort", cached, {}, t0)
             return
@@ -196,13 +266,13 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if status is not None:
             req.status = status
             handle.release_pool = True  # no decode will pull the private tail: release it
-            yield self._final(handle, req, state, None, prefill.cached_tokens, timings, t0)
+            yield self._final(handle, req, state, None, cached_of(prefill), timings, t0)
             return
         out = state.emit()
         yield generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text)
 
         if handle.aborted:  # Abort() came while the first token was on its way
-            yield self._final(handle, req, state, "abort", prefill.cached_tokens, timings, t0)
+            yield self._final(handle, req, state, "abort", cached_of(prefill), timings, t0)
             return
         decode_req = worker_pb2.DecodeRequest(
             request_id=rid,
@@ -212,14 +282,10 @@ class Router(generate_pb2_grpc.GenerationServicer):
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
         )
-        async for message in self._relay(
-            handle, decode_req, req, state, timings, prefill.cached_tokens, t0, context
-        ):
+        async for message in self._relay(handle, decode_req, req, state, timings, cached_of(prefill), t0):
             yield message
 
-    async def _colocated(
-        self, handle: Inflight, req: Request, state: OutputState, params, context, t0: float
-    ):
+    async def _colocated(self, handle: Inflight, req: Request, state: OutputState, params, t0: float):
         """The colocated baseline: one decode worker computes the prompt and streams every token."""
         decode_req = worker_pb2.DecodeRequest(
             request_id=handle.request_id,
@@ -227,25 +293,28 @@ class Router(generate_pb2_grpc.GenerationServicer):
             sampling=sampling_to_proto(replace(params, stop=())),
             prefill_here=True,
         )
-        async for message in self._relay(handle, decode_req, req, state, {}, 0, t0, context):
+        async for message in self._relay(handle, decode_req, req, state, {}, (0, 0), t0):
             yield message
 
-    async def _relay(self, handle, decode_req, req, state, timings, cached, t0, context):
+    async def _relay(self, handle, decode_req, req, state, timings, cached, t0):
         """Pick a decode worker for `decode_req` and stream its tokens to the client, applying stop
-        rules (first token time = TTFT when the worker also ran the prefill)."""
+        rules (first token time = TTFT when the worker also ran the prefill). `cached`: (prefix-cache
+        hit tokens, of which from the pool)."""
         model = self.directory.model
         tokens = len(decode_req.prompt_token_ids) + decode_req.sampling.max_tokens
         decode_worker = self.directory.pick("decode", -(-tokens // model.block_size))  # blocks it will hold
         if decode_worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         handle.decode = decode_worker
         timings = dict(timings)
         decode_worker.inflight += 1
-        call = decode_worker.stub.Decode(decode_req, timeout=context.time_remaining())
+        call = decode_worker.stub.Decode(decode_req, timeout=handle.remaining())
         handle.calls.append(call)
         try:
             async for msg in call:
-                if msg.kv_pull_ms or msg.first_decode_ms:
+                if decode_req.prefill_here and msg.cached_tokens:
+                    cached = (msg.cached_tokens, 0)  # the worker's own prefix cache
+                elif msg.kv_pull_ms or msg.first_decode_ms:
                     timings["kv_transfer_ms"] += msg.kv_pull_ms
                     timings["first_decode_ms"] = msg.first_decode_ms
                     handle.release_pool = msg.recomputed_tokens > 0
@@ -272,16 +341,18 @@ class Router(generate_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.directory.suspect(decode_worker, 2.0)
-            await context.abort(_relay_code(err), f"decode worker {decode_worker.member_id}: {err.details()}")
+            raise RequestRejected(
+                _relay_code(err), f"decode worker {decode_worker.member_id}: {err.details()}"
+            ) from None
         finally:
             decode_worker.inflight -= 1
-        await context.abort(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+        raise RequestRejected(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
 
-    async def _call_prefill(self, handle, worker: Member, ids, sampling, timeout, context):
+    async def _call_prefill(self, handle, worker: Member, ids, sampling):
         worker.inflight += 1
         call = worker.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=handle.request_id, prompt_token_ids=ids, sampling=sampling),
-            timeout=timeout,
+            timeout=handle.remaining(),
         )
         handle.calls.append(call)
         try:
@@ -294,12 +365,14 @@ class Router(generate_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.directory.suspect(worker, 2.0)
-            await context.abort(_relay_code(err), f"prefill worker {worker.member_id}: {err.details()}")
+            raise RequestRejected(
+                _relay_code(err), f"prefill worker {worker.member_id}: {err.details()}"
+            ) from None
         finally:
             worker.inflight -= 1
             handle.calls.remove(call)
 
-    def _final(self, handle, req: Request, state: OutputState, reason, cached, timings, t0):
+    def _final(self, handle, req: Request, state: OutputState, reason, cached: tuple[int, int], timings, t0):
         if reason == "abort":
             req.status = RequestStatus.FINISHED_ABORTED
         out = state.emit()
@@ -313,7 +386,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 finish_reason=req.status.finish_reason or "abort",
                 prompt_tokens=req.num_prompt_tokens,
                 output_tokens=len(req.output_token_ids),
-                cached_tokens=cached,
+                cached_tokens=cached[0],
+                pool_cached_tokens=cached[1],
                 timings=generate_pb2.Timings(**timings),
             ),
         )
@@ -331,7 +405,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
         await self._release_pool(rid)
 
     async def _release_pool(self, request_id: str) -> None:
-        for node_id, (addr, _) in list(self.directory.pool_nodes.items()):  # the registry, as last read
+        for node_id, node in list(self.directory.pool_nodes.items()):  # the registry, as last read
+            addr = node.addr
             channel = self.pool_channels.get(addr)
             if channel is None:
                 channel = self.pool_channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
@@ -416,12 +491,65 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
             await asyncio.sleep(cfg.refresh_s)
 
     tracker = asyncio.create_task(track_health())
+    http = await start_http(router, cfg.host, cfg.http_port) if cfg.http_port is not None else None
     await stop.wait()
     tracker.cancel()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5)
     await router.directory.stop()
+
+
+class HttpServer:
+    """uvicorn serving the OpenAI API on the running loop (signals stay with the router's loop)."""
+
+    def __init__(self, router: Router, host: str, port: int):
+        import uvicorn
+
+        from kvferry.router.openai_api import build_app
+
+        class _Server(uvicorn.Server):
+            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+                pass
+
+            @contextlib.contextmanager
+            def capture_signals(self):  # the router's own handlers stop everything
+                yield
+
+        config = uvicorn.Config(
+            build_app(router),
+            host=host,
+            port=port,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():  # it could not bind (the error is in the task)
+                self.task.result()
+                raise OSError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+async def start_http(router: Router, host: str, port: int) -> HttpServer:
+    http = HttpServer(router, host, port)
+    bound = await http.start()
+    log.info("OpenAI-compatible API on http://%s:%d/v1 (metrics: /metrics)", host, bound)
+    return http
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--colocated", action="store_true", help="no prefill workers: decode workers do both phases"
     )
+    p.add_argument(
+        "--http-port", type=int, default=d.http_port, help="OpenAI API + /metrics port (0 = any free)"
+    )
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--served-model-name", default=None, help="the model name of the OpenAI API")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = RouterConfig(
@@ -446,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace,
         max_inflight=args.max_inflight,
         colocated=args.colocated,
+        http_port=None if args.no_http else args.http_port,
+        served_model_name=args.served_model_name,
     )
 
     async def run() -> None:

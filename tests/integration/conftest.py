@@ -50,19 +50,19 @@ def redis_server(tmp_path_factory):
 
 
 def make_cluster_config(model_dir: Path, redis_url: str, namespace: str, **settings) -> ClusterConfig:
-    """A test cluster on the session's redis: float32, router on any free port, one small pool node,
-    one prefill and one decode worker unless `settings` say otherwise."""
+    """A test cluster on the session's redis: float32, router (gRPC and HTTP) on any free ports, one
+    small pool node, one prefill and one decode worker unless `settings` say otherwise."""
     defaults = {
         "pool": PoolSettings(nodes=1, memory_gib=0.25),
         "prefill": WorkerGroupSettings(replicas=1, engine=ENGINE),
         "decode": WorkerGroupSettings(replicas=1, engine=ENGINE),
+        "router": RouterSettings(port=0, http_port=0),
     }
     return ClusterConfig(
         model=str(model_dir),
         dtype="float32",
         namespace=namespace,
         redis_url=redis_url,
-        router=RouterSettings(port=0),
         **{**defaults, **settings},
     )
 

@@ -3,64 +3,23 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
+from cluster_helpers import Members, assert_released, wait_for
 
 from kvferry.decode_worker.engine import EngineConfig, LLMEngine
 from kvferry.decode_worker.request import SamplingParams
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
-from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 16
 BLOCK = 16
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-class Members:
-    """gRPC stubs of the cluster's workers and pool nodes, found in its Redis registry."""
-
-    def __init__(self, cluster):
-        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
-        self.channels = []
-        self.prefill = self._stubs(meta, "prefill", worker_pb2_grpc.PrefillWorkerStub)
-        self.decode = self._stubs(meta, "decode", worker_pb2_grpc.DecodeWorkerStub)
-        self.pool = self._stubs(meta, "pool", pool_pb2_grpc.KVPoolStub)
-
-    def _stubs(self, meta, role, cls):
-        members = wait_for(lambda: meta.members(role), what=f"{role} registry")
-        out = {}
-        for member_id, info in sorted(members.items()):
-            channel = grpc.insecure_channel(info["addr"])
-            self.channels.append(channel)
-            out[member_id] = cls(channel)
-        return out
-
-    def stats(self, role):
-        stubs = getattr(self, role)
-        request = pool_pb2.PoolStatsRequest() if role == "pool" else worker_pb2.WorkerStatsRequest()
-        return {k: s.GetStats(request, timeout=10) for k, s in stubs.items()}
-
-    def close(self):
-        for channel in self.channels:
-            channel.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,20 +56,6 @@ def greedy(ids, max_tokens=NEW_TOKENS, **kw):
 
 def random_prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_released(members, request_ids):
-    """No worker or pool node holds anything for these requests, and no KV block is leaked."""
-
-    def clean():
-        decode = members.stats("decode")
-        pool = members.stats("pool")
-        for s in decode.values():
-            if set(s.active_request_ids) & set(request_ids) or s.free_blocks != s.total_blocks:
-                return False
-        return all(not (set(p.leases) & set(request_ids)) and p.private_blocks == 0 for p in pool.values())
-
-    wait_for(clean, 30, "workers and pool to release the requests")
 
 
 def test_greedy_matches_engine_and_transformers(client, engine, tiny_model_dir, hf_greedy):

@@ -62,7 +62,7 @@ def kv(ray_nodes, tiny_model_dir, tmp_path_factory):
         model=str(tiny_model_dir),
         dtype="float32",
         namespace="test-ray",
-        router=RouterSettings(port=0),
+        router=RouterSettings(port=0, http_port=0),
         pool=PoolSettings(memory_gib=0.1),
         prefill=WorkerGroupSettings(
             engine={**ENGINE, "tensor_parallel_size": 2}, resources={"CPU": 1, "prefill_node": 1}
@@ -209,7 +209,7 @@ def test_cli_up_ray_answers_a_prompt_and_takes_everything_down(ray_nodes, tiny_m
     config = tmp_path / "cluster.yaml"
     config.write_text(
         f"model: {tiny_model_dir}\ndtype: float32\nnamespace: test-ray-cli\n"
-        "router: {port: 0}\npool: {memory_gib: 0.1, per_ray_node: false, nodes: 1}\n"
+        "router: {port: 0, http_port: 0}\npool: {memory_gib: 0.1, per_ray_node: false, nodes: 1}\n"
         "prefill: {max_model_len: 1024, num_kv_blocks: 256, resources: {CPU: 1, prefill_node: 1}}\n"
         "decode: {max_model_len: 1024, num_kv_blocks: 256, resources: {CPU: 1, decode_node: 1}}\n"
     )
@@ -225,7 +225,7 @@ def test_cli_up_ray_answers_a_prompt_and_takes_everything_down(ray_nodes, tiny_m
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kvferry cluster ready: router at" in proc.stdout
+    assert "kvferry cluster ready: router at" in proc.stdout and "OpenAI API at http://" in proc.stdout
     assert "finish_reason=length" in proc.stderr and "output=8 " in proc.stderr
     with pytest.raises(ray_launch.LaunchError):
         ray_launch.get_controller("test-ray-cli")  # `up` took its cluster down on the way out

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
             str(tiny_model_dir),
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--log-dir",
             str(tmp_path / "logs"),
         ],
@@ -85,7 +88,11 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         addr = next(line for line in lines if "ready" in line).split("router at ")[1].split()[0]
         children = descendants(proc.pid)
         assert len(children) >= 5  # redis, pool node, prefill, decode, router
-        redis_url = next(line for line in lines if "ready" in line).split("(redis ")[1].split(",")[0]
+        ready = next(line for line in lines if "ready" in line)
+        redis_url = ready.split("(redis ")[1].split(",")[0]
+        api = ready.split("OpenAI API at ")[1].split(",")[0]  # http://HOST:PORT/v1
+        with urllib.request.urlopen(api + "/models", timeout=10) as reply:
+            assert json.load(reply)["data"][0]["id"] == str(tiny_model_dir)
         with Client(addr) as client:
             got = client.generate(
                 build_request("def fibonacci(n):", max_tokens=8, temperature=0.0), timeout=60

@@ -1,0 +1,175 @@
+"""Prometheus metrics of the router (`GET /metrics` on the HTTP port), named like vLLM's so its
+Grafana dashboards work with the `vllm:` prefix replaced by `kvferry:` (deploy/grafana-dashboard.json).
+
+Per request (both APIs, measured where the router sends each message): TTFT, inter-token latency,
+TPOT, end-to-end latency, the per-phase times of the `Finished` message, token counters, prefix-cache
+queries and hits (local = a worker's own cache, pool = pulled from the KV pool), finished requests by
+reason and every request by final status code. Per cluster, read from the registry heartbeats at
+scrape time: requests running/waiting in the workers, KV-cache usage per worker, slab usage per pool
+node. Every series carries `model_name`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kvferry.router.directory import Directory
+from kvferry.v1 import generate_pb2
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Finished.timings field -> histogram suffix (kvferry:request_<phase>_time_seconds)
+PHASES = {
+    "queue_ms": "queue",
+    "prefill_ms": "prefill",
+    "kv_transfer_ms": "kv_transfer",
+    "first_decode_ms": "first_decode",
+}
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str, directory: Directory):
+        disable_created_metrics()  # no *_created series (as vLLM): dashboards never read them
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(ClusterCollector(model_name, directory))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"kvferry:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str, extra=()) -> Counter:
+            return Counter(f"kvferry:{name}", doc, [*labels, *extra], registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between streamed messages.", TOKEN_BUCKETS)
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Per request: (E2E - TTFT) / (tokens - 1).", TOKEN_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS)
+        self.phases = {
+            field: histogram(
+                f"request_{phase}_time_seconds",
+                f"Time a request spent in its {phase} phase.",
+                REQUEST_BUCKETS,
+            )
+            for field, phase in PHASES.items()
+        }
+        self.success = counter("request_success_total", "Finished requests by reason.", ["finished_reason"])
+        self.requests = counter("requests_total", "Requests by API and final status code.", ["api", "code"])
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
+        self.cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up.")
+        self.cache_hits = counter(
+            "prefix_cache_hits_total",
+            "Prompt tokens served by a cache.",
+            ["source"],
+        )
+
+    def track(self, api: str, t0: float) -> RequestTrack:
+        return RequestTrack(self, api, t0)
+
+    def rejected(self, api: str, code: str) -> None:
+        self.requests.labels(self.model_name, api, code).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTrack:
+    """One request's timing as the router streams it (`message` per message, then `done` once)."""
+
+    def __init__(self, metrics: RouterMetrics, api: str, t0: float):
+        self.m, self.api, self.t0 = metrics, api, t0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.finished: generate_pb2.Finished | None = None
+
+    def message(self, msg: generate_pb2.GenerateResponse) -> None:
+        if msg.token_ids:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+                self.m.ttft.labels(self.m.model_name).observe(now - self.t0)
+            else:
+                self.m.itl.labels(self.m.model_name).observe(now - self.last)
+            self.last = now
+        if msg.HasField("finished"):
+            self.finished = msg.finished
+
+    def done(self, code: str) -> None:
+        m, name, f = self.m, self.m.model_name, self.finished
+        m.requests.labels(name, self.api, code if f is None else "OK").inc()
+        if f is None:
+            return
+        m.success.labels(name, f.finish_reason).inc()
+        m.e2e.labels(name).observe(time.perf_counter() - self.t0)
+        if f.output_tokens > 1 and self.first is not None:
+            m.tpot.labels(name).observe((self.last - self.first) / (f.output_tokens - 1))
+        for field, histogram in m.phases.items():
+            value = getattr(f.timings, field)
+            if value > 0:  # a phase the request went through (colocated requests have no hand-off)
+                histogram.labels(name).observe(value / 1e3)
+        m.prompt_tokens.labels(name).inc(f.prompt_tokens)
+        m.generation_tokens.labels(name).inc(f.output_tokens)
+        m.cache_queries.labels(name).inc(f.prompt_tokens)
+        m.cache_hits.labels(name, "local").inc(f.cached_tokens - f.pool_cached_tokens)
+        m.cache_hits.labels(name, "pool").inc(f.pool_cached_tokens)
+
+
+class ClusterCollector:
+    """Gauges read from the registry heartbeats the router's directory already holds, at scrape time."""
+
+    def __init__(self, model_name: str, directory: Directory):
+        self.model_name = model_name
+        self.directory = directory
+
+    def describe(self):
+        return []  # gauges are made per scrape (their label sets follow the cluster's members)
+
+    def collect(self):
+        name, d = self.model_name, self.directory
+        running = GaugeMetricFamily(
+            "kvferry:num_requests_running", "Requests in the workers' running batches.", labels=["model_name"]
+        )
+        waiting = GaugeMetricFamily(
+            "kvferry:num_requests_waiting",
+            "Requests queued in the workers (waiting for compute or for KV).",
+            labels=["model_name"],
+        )
+        usage = GaugeMetricFamily(
+            "kvferry:kv_cache_usage_perc",
+            "Fraction of a worker's KV-cache blocks in use (1 = full).",
+            labels=["model_name", "role", "worker"],
+        )
+        slab = GaugeMetricFamily(
+            "kvferry:pool_slab_usage_perc",
+            "Fraction of a pool node's slots held (leased or private; evictable ones count as free).",
+            labels=["model_name", "node"],
+        )
+        totals = {"running": 0, "waiting": 0}
+        for role, members in d.members.items():
+            for member_id, member in list(members.items()):
+                beat = member.beat
+                for key in totals:  # a TP prefill group registers once (rank 0); an EP rank per rank
+                    totals[key] += int(beat.get(key, 0))
+                total = int(beat.get("total_blocks", 0))
+                if total:
+                    used = 1.0 - int(beat.get("free_blocks", 0)) / total
+                    usage.add_metric([name, role, member_id], used)
+        running.add_metric([name], totals["running"])
+        waiting.add_metric([name], totals["waiting"])
+        for node_id, node in list(d.pool_nodes.items()):
+            slots = int(node.beat.get("num_slots", 0))
+            if slots:
+                slab.add_metric([name, node_id], 1.0 - int(node.beat.get("free_slots", 0)) / slots)
+        return [running, waiting, usage, slab]

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP API and Prometheus `/metrics`, served by the router process on the same
+asyncio loop as its gRPC server (FastAPI on uvicorn).
+
+A completion or chat completion becomes one gRPC-shaped `GenerateRequest` per prompt. Each is admitted
+by `Router.admit` (the validation and --max-inflight of the gRPC path), then run as its own task that
+feeds one queue; the response streams that queue as server-sent events or collects it into one JSON
+body. A client that disconnects cancels those tasks, which releases the requests in the workers and
+the pool exactly as a gRPC cancel does.
+
+    POST /v1/completions        prompt: text, token ids, or a list of either
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    GET  /v1/models, GET /health (503 until the cluster is ready), GET /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvferry.decode_worker.request import InvalidRequestError
+from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
+from kvferry.router.metrics import CONTENT_TYPE
+from kvferry.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    error_body,
+)
+from kvferry.router.server import Inflight, RequestRejected, Router
+from kvferry.v1 import generate_pb2
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param), status_code=self.status)
+
+    @classmethod
+    def of(cls, err: Exception, prompt_field: str = "prompt") -> ApiError:
+        """The HTTP error for a router error; the message names the OpenAI field."""
+        if isinstance(err, InvalidRequestError):
+            message = _openai_field_names(str(err), prompt_field)
+            return cls(400, message, re.match(r"[\w.\[\]]*", message).group(0) or None)
+        if isinstance(err, RequestRejected):
+            return cls(HTTP_STATUS.get(err.code, 500), str(err))
+        return cls(500, f"internal error: {err}")
+
+
+def _openai_field_names(message: str, prompt_field: str) -> str:
+    """'sampling.top_p must ...' -> 'top_p must ...'; 'prompt.token_ids ...' -> 'prompt ...'."""
+    message = message.removeprefix("sampling.")
+    for name in ("prompt.text", "prompt.token_ids", "prompt"):
+        if message.startswith(name):
+            return prompt_field + message[len(name) :]
+    return message
+
+
+class Fanout:
+    """Runs admitted requests as tasks and yields (choice index, message) as they arrive; a request that
+    fails raises its error here. `cancel()` (the client went away) releases every request."""
+
+    def __init__(self, router: Router, handles: list[Inflight]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.open = len(handles)
+        self.tasks = [asyncio.create_task(self._pump(router, i, h)) for i, h in enumerate(handles)]
+
+    async def _pump(self, router: Router, index: int, handle: Inflight) -> None:
+        try:
+            async with contextlib.aclosing(router.run(handle)) as stream:
+                async for message in stream:
+                    self.queue.put_nowait((index, message))
+        except (InvalidRequestError, RequestRejected) as err:
+            self.queue.put_nowait((index, err))
+        except Exception as err:
+            log.exception("request %s failed", handle.request_id)
+            self.queue.put_nowait((index, err))
+        finally:
+            self.queue.put_nowait((index, None))
+
+    async def __aiter__(self):
+        while self.open:
+            index, item = await self.queue.get()
+            if item is None:
+                self.open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry cluster")
+    chat_template = ChatTemplate.from_dir(router.model_dir)
+    names = {router.served_model_name, router.cfg.model, str(router.model_dir)}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return ApiError(
+                400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+            ).response()
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+        return ApiError(400, f"{where}: {first.get('msg', 'invalid')}", where).response()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.directory.ready:
+            return Response(status_code=200)
+        return ApiError(503, "the cluster is not ready: no prefill/decode workers yet").response()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        info = router.directory.model
+        card = {
+            "id": router.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvferry",
+            "root": str(router.model_dir),
+            "parent": None,
+        }
+        if info is not None:
+            card.update(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{router.served_model_name}`",
+                "model",
+            )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            reqs = body.generate_requests(rid)
+        except InvalidRequestError as err:
+            raise ApiError.of(err) from None
+        shape = ResponseShape(False, f"cmpl-{rid}", router.served_model_name, body.return_token_ids)
+        return await respond(request, body, reqs, shape, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if chat_template is None:
+            raise ApiError(
+                400,
+                f"model {router.served_model_name} has no chat template (tokenizer_config.json chat_template "
+                "or chat_template.jinja); use /v1/completions",
+                "messages",
+            )
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            body.check_supported()
+            text = chat_template.render(
+                body.template_messages(), body.add_generation_prompt, **(body.chat_template_kwargs or {})
+            )
+        except (InvalidRequestError, ChatTemplateError) as err:
+            raise ApiError(400, str(err), "messages") from None
+        ids = router.tokenizer.encode(text)
+        max_tokens = body.max_new_tokens
+        if max_tokens is None and router.directory.model is not None:  # as many as fit
+            max_tokens = max(1, router.directory.model.max_model_len - len(ids))
+        req = generate_pb2.GenerateRequest(request_id=f"{rid}-0", sampling=body.sampling(max_tokens))
+        req.token_ids.ids.extend(ids)
+        shape = ResponseShape(True, f"chatcmpl-{rid}", router.served_model_name, body.return_token_ids)
+        return await respond(request, body, [req], shape, "messages")
+
+    async def respond(request: Request, body, reqs, shape: ResponseShape, prompt_field: str) -> Response:
+        handles: list[Inflight] = []
+        try:
+            for req in reqs:
+                handles.append(router.admit(req, None, "http"))
+        except (InvalidRequestError, RequestRejected) as err:
+            for handle in handles:
+                router.withdraw(handle)
+            raise ApiError.of(err, prompt_field) from None
+        fanout = Fanout(router, handles)
+        if body.stream:
+            events = sse(fanout, shape, len(reqs), body.include_usage, prompt_field)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await collect(request, fanout, shape, len(reqs), prompt_field)
+
+    return app
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def sse(fanout: Fanout, shape: ResponseShape, n: int, include_usage: bool, prompt_field: str):
+    """The stream's events: a chunk per message (the last of a choice carries its finish_reason and
+    timings), then usage when asked for, then [DONE]. Closing it (a disconnect) cancels the requests."""
+    finished: list = [None] * n
+    first = [True] * n
+    try:
+        async for index, msg in fanout:
+            done = msg.finished if msg.HasField("finished") else None
+            chunk = shape.chunk(index, msg.text, list(msg.token_ids), done, first[index])
+            first[index] = False
+            if include_usage:
+                chunk["usage"] = None
+            if done is not None:
+                finished[index] = done
+            yield _event(chunk)
+        if include_usage:
+            yield _event(shape.usage_chunk(finished))
+    except (InvalidRequestError, RequestRejected) as err:  # headers are sent: the error is an event
+        yield _event(error_body(ApiError.of(err, prompt_field).status, str(err)))
+    finally:
+        fanout.cancel()
+    yield "data: [DONE]\n\n"
+
+
+async def collect(
+    request: Request, fanout: Fanout, shape: ResponseShape, n: int, prompt_field: str
+) -> Response:
+    """The whole response, or nothing if the client goes away first (its requests are then released)."""
+    texts, token_ids, finished = [""] * n, [[] for _ in range(n)], [None] * n
+
+    async def gather() -> None:
+        async for index, msg in fanout:
+            texts[index] += msg.text
+            token_ids[index] += msg.token_ids
+            if msg.HasField("finished"):
+                finished[index] = msg.finished
+
+    gathering = asyncio.ensure_future(gather())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({gathering, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not gathering.done():
+            return Response(status_code=499)  # nobody is listening any more
+        try:
+            gathering.result()
+        except (InvalidRequestError, RequestRejected) as err:
+            return ApiError.of(err, prompt_field).response()
+    finally:
+        gone.cancel()
+        gathering.cancel()
+        fanout.cancel()
+    return JSONResponse(shape.whole(texts, token_ids, finished))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,64 @@
+"""What several integration test modules use: waiting on a condition, the cluster's members, leak checks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Members:
+    """gRPC stubs of the cluster's workers and pool nodes, found in its Redis registry."""
+
+    def __init__(self, cluster):
+        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+        self.channels = []
+        self.prefill = self._stubs(meta, "prefill", worker_pb2_grpc.PrefillWorkerStub)
+        self.decode = self._stubs(meta, "decode", worker_pb2_grpc.DecodeWorkerStub)
+        self.pool = self._stubs(meta, "pool", pool_pb2_grpc.KVPoolStub)
+
+    def _stubs(self, meta, role, cls):
+        members = wait_for(lambda: meta.members(role), what=f"{role} registry")
+        out = {}
+        for member_id, info in sorted(members.items()):
+            channel = grpc.insecure_channel(info["addr"])
+            self.channels.append(channel)
+            out[member_id] = cls(channel)
+        return out
+
+    def stats(self, role):
+        stubs = getattr(self, role)
+        request = pool_pb2.PoolStatsRequest() if role == "pool" else worker_pb2.WorkerStatsRequest()
+        return {k: s.GetStats(request, timeout=10) for k, s in stubs.items()}
+
+    def close(self):
+        for channel in self.channels:
+            channel.close()
+
+
+def assert_released(members, request_ids):
+    """No worker or pool node holds anything for these requests, and no KV block is leaked."""
+
+    def clean():
+        decode = members.stats("decode")
+        pool = members.stats("pool")
+        for s in decode.values():
+            if set(s.active_request_ids) & set(request_ids) or s.free_blocks != s.total_blocks:
+                return False
+        return all(not (set(p.leases) & set(request_ids)) and p.private_blocks == 0 for p in pool.values())
+
+    wait_for(clean, 30, "workers and pool to release the requests")

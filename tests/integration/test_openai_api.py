@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP API and /metrics of a real cluster, driven by the real `openai` client,
+raw sockets and `kvferry loadtest sweep --target http://...`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from cluster_helpers import Members, assert_released, wait_for
+from conftest import ENGINE, make_cluster_config
+
+from kvferry.deploy.config import RouterSettings, WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster, free_port
+from kvferry.model.chat_template import ChatTemplate
+from kvferry.model.tokenizer import Tokenizer
+from kvferry.router.client import Client, build_request
+
+pytestmark = pytest.mark.slow
+
+MAX_INFLIGHT = 4
+NAME = "kvferry-tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model_dir, tmp_path_factory):
+    cfg = make_cluster_config(
+        tiny_model_dir,
+        redis_server.url,
+        "test-openai",
+        router=RouterSettings(
+            port=0, http_port=0, max_inflight=MAX_INFLIGHT, served_model_name="kvferry-tiny"
+        ),
+        prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
+    )
+    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("openai-logs"), quiet=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster):
+    with Client(cluster.router_addr) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def members(cluster):
+    m = Members(cluster)
+    yield m
+    m.close()
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def grpc_greedy(client: Client, ids: list[int], max_tokens: int) -> list[int]:
+    request = build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return client.generate(request, timeout=60).token_ids
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+def test_completion_tokens_equal_the_grpc_path(api, grpc_client):
+    for seed, n in ((0, 7), (1, 40)):
+        ids = prompt_ids(seed, n)
+        want = grpc_greedy(grpc_client, ids, 12)
+        got = api.completions.create(model=NAME, prompt=ids, max_tokens=12, **GREEDY)
+        choice = got.choices[0]
+        assert choice.token_ids == want and choice.finish_reason == "length"
+        assert got.usage.prompt_tokens == n and got.usage.completion_tokens == 12
+        assert got.model == NAME and got.object == "text_completion"
+
+
+def test_streamed_completion_with_usage_and_timings(api, grpc_client, tiny_model_dir):
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    ids = Tokenizer(tiny_model_dir).encode(text)
+    want = grpc_greedy(grpc_client, ids, 16)
+    stream = api.completions.create(
+        model=NAME,
+        prompt=text,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    tokens = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert tokens == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    finish = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    timings = finish.model_extra["timings"]
+    assert timings["ttft_ms"] > 0 and timings["e2e_ms"] >= timings["ttft_ms"] and timings["prefill_ms"] > 0
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 16 and usage.prompt_tokens == len(ids)
+    assert usage.prompt_tokens_details.cached_tokens == timings["cached_tokens"]
+    text_out = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text_out == Tokenizer(tiny_model_dir).decode(want)
+
+
+def test_chat_completion_uses_the_chat_template(api, grpc_client, tiny_model_dir):
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list."},
+    ]
+    rendered = ChatTemplate.from_dir(tiny_model_dir).render(messages)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    want = grpc_greedy(grpc_client, Tokenizer(tiny_model_dir).encode(rendered), 10)
+    whole = api.chat.completions.create(model=NAME, messages=messages, max_tokens=10, **GREEDY)
+    assert whole.choices[0].token_ids == want and whole.choices[0].message.role == "assistant"
+    streamed = api.chat.completions.create(
+        model=NAME, messages=messages, max_completion_tokens=10, stream=True, **GREEDY
+    )
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [t for c in chunks for t in c.choices[0].token_ids] == want
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_several_prompts_in_one_request(api, grpc_client):
+    prompts = [prompt_ids(5, 9), prompt_ids(6, 20), prompt_ids(7, 33)]
+    got = api.completions.create(model=NAME, prompt=prompts, max_tokens=6, **GREEDY)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for choice, ids in zip(got.choices, prompts, strict=True):
+        assert choice.token_ids == grpc_greedy(grpc_client, ids, 6)
+    assert got.usage.prompt_tokens == 9 + 20 + 33 and got.usage.completion_tokens == 18
+
+
+def test_models_and_health(cluster):
+    with urllib.request.urlopen(cluster.http_url + "/v1/models", timeout=10) as reply:
+        card = json.load(reply)["data"][0]
+    assert card["id"] == NAME and card["max_model_len"] == 1024 and card["vocab_size"] == 8192
+    with urllib.request.urlopen(cluster.http_url + "/health", timeout=10) as reply:
+        assert reply.status == 200
+
+
+def post(url: str, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        ({"prompt": "x", "temperature": -1}, 400, "temperature", "finite number >= 0"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
+        ({"prompt": [1, 99999]}, 400, "prompt", "[0, 8192)"),
+        ({"prompt": ""}, 400, "prompt", "must not be empty"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_model_len is 1024"),
+        ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"prompt": "x", "n": 2}, 400, "n", "must be 1"),
+        ({"max_tokens": 3}, 400, "prompt", "Field required"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ],
+)
+def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, param, words):
+    code, reply = post(cluster.http_url + "/v1/completions", body)
+    assert code == status, reply
+    error = reply["error"]
+    assert error["param"] == param and words in error["message"] and error["code"] == status
+
+
+def test_malformed_json_and_bad_chat_messages(cluster):
+    code, reply = post(cluster.http_url + "/v1/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in reply["error"]["message"]
+    parts = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    code, reply = post(cluster.http_url + "/v1/chat/completions", {"messages": parts})
+    assert code == 400 and "only text parts" in reply["error"]["message"]
+    code, reply = post(cluster.http_url + "/v1/chat/completions", {"messages": []})
+    assert code == 400 and reply["error"]["param"] == "messages"
+
+
+def open_stream(http_url: str, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 client: send the request, return the socket (the caller reads or drops it)."""
+    host, port = http_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, events: int) -> bytes:
+    data = b""
+    while data.count(b"data: ") < events:
+        piece = sock.recv(65536)
+        assert piece, f"the server closed the stream early: {data[-300:]!r}"
+        data += piece
+    return data
+
+
+def metric(http_url: str, name: str, **labels) -> float:
+    """The value of one series of /metrics (0 when absent)."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            inside = line[line.find("{") + 1 : line.find("}")] if "{" in line else ""
+            if want <= set(inside.split(",")):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_client_disconnect_mid_stream_releases_the_request(cluster, members):
+    def cancels() -> float:
+        return metric(cluster.http_url, "kvferry:requests_total", api="http", code="CANCELLED")
+
+    cancelled = cancels()
+    body = {
+        "prompt": prompt_ids(11, 40),
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    sock = open_stream(cluster.http_url, body)
+    assert b"200 OK" in read_until(sock, 3)
+    active = wait_for(lambda: [i for s in members.stats("decode").values() for i in s.active_request_ids])
+    sock.close()  # the client goes away mid-stream
+    assert_released(members, active)
+    wait_for(
+        lambda: (
+            metric(cluster.http_url, "kvferry:requests_total", api="http", code="CANCELLED") == cancelled + 1
+        ),
+        what="the cancel to be counted",
+    )
+    # not streamed: a client that hangs up while waiting for the whole body is released too
+    body = dict(body, stream=False)
+    sock = open_stream(cluster.http_url, body)
+    active = wait_for(lambda: [i for s in members.stats("decode").values() for i in s.active_request_ids])
+    sock.close()
+    assert_released(members, active)
+
+
+def test_overload_is_429_and_the_server_keeps_serving(cluster, members, api):
+    body = {
+        "prompt": prompt_ids(12, 20),
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    holders = [open_stream(cluster.http_url, body) for _ in range(MAX_INFLIGHT)]
+    try:
+        for sock in holders:
+            read_until(sock, 1)  # admitted and streaming
+        code, reply = post(cluster.http_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 429 and "--max-inflight" in reply["error"]["message"]
+        with pytest.raises(openai.RateLimitError):
+            api.completions.create(model=NAME, prompt="x", max_tokens=2)
+    finally:
+        for sock in holders:
+            sock.close()
+    wait_for(lambda: not any(s.active_request_ids for s in members.stats("decode").values()), what="release")
+    got = api.completions.create(model=NAME, prompt="import os", max_tokens=3, temperature=0)
+    assert got.usage.completion_tokens == 3
+
+
+def test_metrics_after_requests(cluster, api):
+    shared = prompt_ids(21, 64)
+    for suffix in (prompt_ids(22, 8), prompt_ids(23, 8), prompt_ids(24, 8)):  # the 64-token prefix repeats
+        api.completions.create(model=NAME, prompt=shared + suffix, max_tokens=4, temperature=0)
+    url, name = cluster.http_url, NAME
+    for histogram in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "time_per_output_token_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_kv_transfer_time_seconds",
+        "request_first_decode_time_seconds",
+    ):
+        assert metric(url, f"kvferry:{histogram}_count", model_name=name) > 0, histogram
+        assert metric(url, f"kvferry:{histogram}_sum", model_name=name) > 0, histogram
+    hits = sum(metric(url, "kvferry:prefix_cache_hits_total", source=s) for s in ("local", "pool"))
+    assert hits >= 2 * 64  # the second and third requests find the shared prefix (locally or in the pool)
+    assert metric(url, "kvferry:prefix_cache_queries_total") >= 3 * 72
+    assert metric(url, "kvferry:request_success_total", finished_reason="length") >= 3
+    assert metric(url, "kvferry:generation_tokens_total") >= 12
+    assert metric(url, "kvferry:requests_total", api="http", code="INVALID_ARGUMENT") >= 1
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    for gauge in (
+        "kv_cache_usage_perc",
+        "pool_slab_usage_perc",
+        "num_requests_running",
+        "num_requests_waiting",
+    ):
+        assert f"kvferry:{gauge}{{" in text, gauge
+    assert 'role="decode"' in text and 'node="pool-0"' in text
+
+
+def test_grpc_requests_are_counted_too(cluster, grpc_client):
+    before = metric(cluster.http_url, "kvferry:requests_total", api="grpc", code="OK")
+    grpc_greedy(grpc_client, prompt_ids(30, 5), 3)
+    assert metric(cluster.http_url, "kvferry:requests_total", api="grpc", code="OK") == before + 1
+
+
+def test_loadtest_sweep_against_the_http_api(cluster, tmp_path):
+    from kvferry.cli import main
+    from kvferry.loadtest.metrics import read_records
+
+    out = tmp_path / "sweep"
+    argv = ["loadtest", "sweep", "--target", cluster.http_url, "--compare", cluster.router_addr]
+    argv += ["--labels", "http,grpc", "--rates", "3", "--duration", "3", "--input-len", "40"]
+    argv += ["--output-len", "8", "--slo-ttft", "2", "--slo-tpot", "0.5", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "summary.json").read_text())
+    for label in ("http", "grpc"):
+        records = read_records(out / label / "rate-3.jsonl")
+        assert records and all(r.ok and r.output_tokens == 8 for r in records), label
+        assert report["targets"][label]["rates"][0]["ttft_ms"]["p50"] > 0
+    assert (out / "sweep.csv").exists() and (out / "attainment.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_router_without_workers_answers_503(redis_server, tiny_model_dir):
+    port = free_port()
+    router = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvferry.router", "--model", str(tiny_model_dir), "--port", "0"),
+            *("--redis-url", redis_server.url, "--namespace", "test-openai-empty", "--http-port", str(port)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def health() -> int:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                    return reply.status
+            except urllib.error.HTTPError as err:
+                return err.code
+            except OSError:
+                return 0
+
+        assert wait_for(health, 60, "the router's HTTP API") == 503
+        code, reply = post(url + "/v1/completions", {"prompt": "x"})
+        assert code == 503 and "workers are ready yet" in reply["error"]["message"]
+    finally:
+        router.terminate()
+        router.wait(30)
+    assert router.returncode == 0
+
+
+def test_many_concurrent_streams_all_complete(api):
+    def one(i: int) -> list[str | None]:
+        stream = api.completions.create(
+            model=NAME, prompt=prompt_ids(40 + i, 10), max_tokens=5, temperature=0, stream=True
+        )
+        return [c.choices[0].finish_reason for c in stream]
+
+    with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
+        reasons = list(pool.map(one, range(3 * MAX_INFLIGHT)))
+    assert all(r[-1] in ("length", "stop") and r[:-1] == [None] * (len(r) - 1) for r in reasons)
