@@ -180,3 +180,22 @@ def test_metrics_of_a_request_and_of_the_cluster():
     for line in want:
         assert line in text, line
     assert "_created" not in text
+
+
+def test_grafana_dashboard_reads_only_exported_series():
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"kvferry:[a-z0-9_]+", e)}
+    directory = Directory(meta=None)
+    directory.members["decode"]["d"] = Member("decode", "d", "a", None, None, beat={"total_blocks": 4})
+    directory.pool_nodes["p"] = PoolNode("a", 0.0, {"num_slots": 4})
+    metrics = RouterMetrics("m", directory)
+    track = metrics.track("grpc", t0=0.0)
+    track.message(generate_pb2.GenerateResponse(token_ids=[1]))
+    track.message(generate_pb2.GenerateResponse(token_ids=[2], finished=finished()))
+    track.done("OK")
+    exported = {line.split("{")[0] for line in metrics.exposition().decode().splitlines() if line[:1] != "#"}
+    assert len(used) >= 15 and used <= exported, used - exported
