@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import uuid
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import BackgroundTasks, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -84,9 +85,20 @@ class Fanout:
     def __init__(self, router: Router, handles: list[Inflight]):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open = len(handles)
-        self.tasks = [asyncio.create_task(self._pump(router, i, h)) for i, h in enumerate(handles)]
+        self.started = [False] * len(handles)
+        self.tasks = []
+        for i, handle in enumerate(handles):
+            task = asyncio.create_task(self._pump(router, i, handle))
+            task.add_done_callback(functools.partial(self._never_ran, router, i, handle))
+            self.tasks.append(task)
+
+    def _never_ran(self, router: Router, index: int, handle: Inflight, task: asyncio.Task) -> None:
+        """A task cancelled before its first step never entered `router.run`: withdraw its request."""
+        if not self.started[index]:
+            router.withdraw(handle)
 
     async def _pump(self, router: Router, index: int, handle: Inflight) -> None:
+        self.started[index] = True  # from here on, router.run's own cleanup releases the request
         try:
             async with contextlib.aclosing(router.run(handle)) as stream:
                 async for message in stream:
@@ -216,7 +228,11 @@ def build_app(router: Router) -> FastAPI:
         fanout = Fanout(router, handles)
         if body.stream:
             events = sse(fanout, shape, len(reqs), body.include_usage, prompt_field)
-            return StreamingResponse(events, media_type="text/event-stream")
+            # the background task runs however the response ends: a stream that never started
+            # (the client left at once) still cancels its requests
+            cleanup = BackgroundTasks()
+            cleanup.add_task(fanout.cancel)
+            return StreamingResponse(events, media_type="text/event-stream", background=cleanup)
         return await collect(request, fanout, shape, len(reqs), prompt_field)
 
     return app

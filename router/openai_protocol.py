@@ -10,7 +10,7 @@ OpenAI field too.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,24 +59,11 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: each choice carries its token ids
-    # the neutral-or-refused fields (types loose: only their value is checked)
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    best_of: Any = None
-    suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
 
     def check_supported(self) -> None:
+        given = self.model_extra or {}  # NEUTRAL's fields are not declared: they arrive as extras
         for name, neutral in NEUTRAL.items():
-            value = getattr(self, name)
+            value = given.get(name)
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise InvalidRequestError(f"{name}={value!r} is not supported by kvferry")
         if self.n != 1:
