@@ -210,7 +210,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         code = grpc.StatusCode.CANCELLED
         completed = False
         try:
-            async for message in self._generate(handle, handle.ids, handle.params, handle.t0):
+            async for message in self._generate(handle):
                 handle.track.message(message)
                 yield message
             completed = True
@@ -230,7 +230,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
             finally:  # only now may the id be reused: cleanup must not hit its successor
                 del self.inflight[handle.request_id]
 
-    async def _generate(self, handle: Inflight, ids: list[int], params: SamplingParams, t0: float):
+    async def _generate(self, handle: Inflight):
+        ids, params, t0 = handle.ids, handle.params, handle.t0
         model = self.directory.model
         rid = handle.request_id
         req = Request(rid, ids, params)
