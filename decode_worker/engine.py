@@ -30,6 +30,8 @@ from kvferry.model.parallel import Parallel
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
 
+KERNEL_CHOICES = ("auto", "torch")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +48,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # a prefill group's degree (ranks are separate processes)
     expert_parallel_size: int = 1  # a decode group's degree
+    kernels: str = "auto"  # auto: the C++ CPU kernels for float32 on CPU where they build; torch: plain ops
 
     def validate(self) -> None:
         for name in (
@@ -60,6 +63,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kernels not in KERNEL_CHOICES:
+            choices = ", ".join(KERNEL_CHOICES)
+            raise EngineConfigError(f"kernels must be one of {choices}, got {self.kernels!r}")
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
@@ -101,6 +107,7 @@ class LLMEngine:
         self.model = load_model(
             self.model_dir, self.dtype, self.device, max_positions=self.max_model_len, parallel=parallel
         )
+        self.kernels = cfg.kernels == "auto" and self.model.pack_weights()
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
             dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)

@@ -10,7 +10,6 @@ import torch
 from kvferry.decode_worker.request import Request
 from kvferry.decode_worker.scheduler import ScheduledBatch
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
-from kvferry.model.decode_mirror import DecodeMirror
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import sample
 from kvferry.v1 import worker_pb2
@@ -81,9 +80,6 @@ class ModelRunner:
         # [L, 2 (K/V), Hkv, num_blocks, block_size, D]: head-major for batched attention reads
         shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        tp = model.parallel.tp
-        # the decode mirror follows Request objects, which only a group's leader has
-        self.mirror = DecodeMirror(cfg.num_layers) if device.type == "cpu" and tp.size == 1 else None
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
 
@@ -91,7 +87,7 @@ class ModelRunner:
         """Compute every scheduled token; sample for the requests whose last token was computed."""
         work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
         step = StepInputs()
-        decode_reqs, sampled_reqs = [], []
+        sampled_reqs = []
         bs = self.block_size
         for req, n in work:
             start = req.num_computed_tokens
@@ -101,7 +97,6 @@ class ModelRunner:
             step.slot_blocks += [req.block_ids[p // bs] for p in range(start, start + n)]
             step.slot_offsets += [p % bs for p in range(start, start + n)]
             if n == 1:
-                decode_reqs.append(req)
                 step.decode_tables.append(req.block_ids)
                 step.decode_lens.append(start + 1)
             else:
@@ -111,13 +106,13 @@ class ModelRunner:
                 sampled_reqs.append(req)
         if self.broadcast_step is not None:
             self.broadcast_step(step)
-        logits = self.execute(step, decode_reqs)
+        logits = self.execute(step)
         if not sampled_reqs:
             return {}
         tokens = sample(logits, [r.params.spec for r in sampled_reqs], [r.generator for r in sampled_reqs])
         return dict(zip(sampled_reqs, tokens, strict=True))
 
-    def execute(self, step: StepInputs, decode_reqs: list[Request] | None = None) -> torch.Tensor | None:
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass (and the logits of `sample_rows`); every rank of a group runs it in step.
 
         An empty step is a forward over zero tokens: an expert-parallel rank with no sequences still
@@ -129,19 +124,8 @@ class ModelRunner:
             for a, b, c, t in step.prefills
         ]
         meta = AttentionMetadata.build(
-            step.slot_blocks,
-            step.slot_offsets,
-            step.decode_tables,
-            step.decode_lens,
-            prefills,
-            self.kv_cache[0, 0],
+            step.slot_blocks, step.slot_offsets, step.decode_tables, step.decode_lens, prefills, dev
         )
-        if decode_reqs and self.mirror is not None:
-            cfg = self.model.cfg
-            if self.mirror.prepare(
-                decode_reqs, step.decode_lens, cfg.num_kv_heads, cfg.head_dim, self.kv_cache
-            ):
-                meta.mirror = self.mirror
         hidden = self.model(
             torch.tensor(step.input_ids, dtype=torch.long, device=dev),
             torch.tensor(step.positions, dtype=torch.long, device=dev),

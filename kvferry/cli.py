@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from kvferry.decode_worker.engine import EngineConfig, EngineConfigError, LLMEngine
+from kvferry.decode_worker.engine import KERNEL_CHOICES, EngineConfig, EngineConfigError, LLMEngine
 from kvferry.decode_worker.output import Completion
 from kvferry.decode_worker.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import ModelConfigError
@@ -83,6 +83,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="checkpoint directory, or a built-in name (tiny, bench)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument(
+        "--kernels",
+        default=d.kernels,
+        choices=KERNEL_CHOICES,
+        help="auto: the C++ CPU kernels for float32 on CPU (built on first use); torch: plain torch ops",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

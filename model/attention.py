@@ -5,7 +5,8 @@ out decodes first (one token each), then prefill chunks back to back. Every toke
 its slot (block id, offset in block) before attention reads the cache.
 
 Cache layout (per layer, for K and for V alike): [num_kv_heads, num_blocks, block_size, head_dim].
-Head-major means gathering a batch's blocks yields [Hkv, B, S, D], which batched matmuls read as is.
+Decodes read their blocks through a block table (`kernels/`: a C++ CPU kernel, or the torch reference
+that gathers them); prefill chunks run SDPA over their own K/V, or over the gathered cached prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvferry.model.decode_mirror import DecodeMirror
+from kvferry.kernels.cpu import ops as cpu_ops
+from kvferry.kernels.paged_attention import paged_decode_attention_reference
 
 
 @dataclass
@@ -31,10 +33,9 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of every token
     slot_offsets: torch.Tensor  # [T] offset within the block
     num_decodes: int = 0
-    decode_rows: torch.Tensor | None = None  # [Hkv * Bd * max_blocks] cache rows (head, block) to gather
-    decode_bias: torch.Tensor | None = None  # [1, Bd, 1, max_blocks * block_size] 0 or -inf
+    block_tables: torch.Tensor | None = None  # [Bd, W] the decodes' block ids, rows padded with block 0
+    context_lens: torch.Tensor | None = None  # [Bd] tokens each decode attends over
     prefills: list[PrefillChunk] = field(default_factory=list)
-    mirror: DecodeMirror | None = None  # set by the runner when the decode batch uses a mirror
 
     @classmethod
     def build(
@@ -44,10 +45,8 @@ class AttentionMetadata:
         decode_tables: list[list[int]],
         decode_context_lens: list[int],
         prefills: list[PrefillChunk],
-        layer_cache: torch.Tensor,
+        device: torch.device,
     ) -> AttentionMetadata:
-        """layer_cache: one layer's K cache, [Hkv, num_blocks, block_size, D] (gives layout and device)."""
-        device = layer_cache.device
         meta = cls(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
@@ -56,13 +55,9 @@ class AttentionMetadata:
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            flat = [b for t in decode_tables for b in t + [0] * (width - len(t))]
-            meta.decode_rows = block_rows(layer_cache, torch.tensor(flat, dtype=torch.long, device=device))
-            block_size = layer_cache.shape[2]
-            lens = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
-            span = torch.arange(width * block_size, device=device)
-            bias = torch.zeros(len(decode_tables), width * block_size, dtype=layer_cache.dtype, device=device)
-            meta.decode_bias = bias.masked_fill_(span[None, :] >= lens[:, None], float("-inf"))[None, :, None]
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            meta.context_lens = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
         return meta
 
 
@@ -82,13 +77,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    layer: int = 0,
+    kernels: bool = False,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D].
+
+    `kernels`: decodes run the C++ CPU kernel (float32), else the torch reference.
+    """
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
-        out[:nd] = _decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta, scale, layer)
+        decode = cpu_ops().paged_decode_attention if kernels else paged_decode_attention_reference
+        attn = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        out[:nd] = attn.view_as(q[:nd])
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
@@ -108,39 +108,6 @@ def block_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Row ids of `blocks` for every head, head-major: [Hkv * len(blocks)]."""
     hkv, num_blocks = cache.shape[:2]
     return (torch.arange(hkv, device=blocks.device)[:, None] * num_blocks + blocks[None, :]).flatten()
-
-
-def _decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    layer: int,
-) -> torch.Tensor:
-    """q: [Bd, Hq, D]. The G query heads sharing a KV head act as G query rows of one batched matmul."""
-    bd, hq, d = q.shape
-    hkv = k_cache.shape[0]
-    group = hq // hkv
-
-    def gather() -> tuple[torch.Tensor, torch.Tensor]:  # [Hkv*Bd, S, D] each
-        keys = gather_rows(k_cache, meta.decode_rows).view(hkv * bd, -1, d)
-        return keys, gather_rows(v_cache, meta.decode_rows).view(hkv * bd, -1, d)
-
-    if meta.mirror is not None:
-        keys_t, values = meta.mirror.layer_kv(layer, k, v, gather)
-    else:
-        keys, values = gather()
-        keys_t = keys.transpose(1, 2)
-    width = keys_t.shape[-1]
-    # [Hkv*Bd, G, D], scaled here (small) rather than the scores; not in place: reshape may be a view of q
-    grouped = q.view(bd, hkv, group, d).transpose(0, 1).reshape(hkv * bd, group, d) * scale
-    scores = torch.bmm(grouped, keys_t).view(hkv, bd, group, width)
-    probs = scores.add_(meta.decode_bias[..., :width]).softmax(-1).view(hkv * bd, group, width)
-    out = torch.bmm(probs, values)  # [Hkv*Bd, G, D]
-    return out.view(hkv, bd, group, d).transpose(0, 1).reshape(bd, hq, d)
 
 
 def _prefill_attention(

@@ -1,9 +1,31 @@
-"""Small building blocks: RMSNorm and rotary position embeddings (numerics as in HF Qwen3-MoE)."""
+"""Small building blocks: linear, RMSNorm and rotary position embeddings (numerics as in HF Qwen3-MoE).
+
+Each op has a plain torch form and, for float32 on CPU once `kernels.cpu` is loaded and the weights
+packed (`pack_weights`), one C++ kernel call. Modules carry `kernels` (set by `pack_weights`) to choose.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvferry.kernels.cpu import ops as cpu_ops
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ an input-major weight: plain [K, N], or packed by `pack` (it carries `.out_features`)."""
+    n = getattr(w, "out_features", None)
+    if n is None:
+        return x @ w
+    return cpu_ops().packed_linear(x, w, n)
+
+
+def pack(w: torch.Tensor) -> nn.Parameter:
+    """[K, N] -> the CPU kernels' [ceil(N/16), K, 16] layout (stacks [E, K, N] pack per expert)."""
+    packed = cpu_ops().pack_weight(w) if w.dim() == 2 else torch.stack([cpu_ops().pack_weight(e) for e in w])
+    param = nn.Parameter(packed, requires_grad=False)
+    param.out_features = w.shape[-1]
+    return param
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,9 +43,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return cpu_ops().rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place); returns the normalised residual (vLLM's fused_add_rms_norm)."""
+        if self.kernels:
+            return cpu_ops().add_rms_norm(x, residual, self.weight, self.eps)
+        return rms_norm(residual.add_(x), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

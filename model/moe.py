@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.kernels.cpu import ops as cpu_ops
+from kvferry.model.layers import linear
 from kvferry.model.parallel import Comm
 
 
@@ -25,13 +27,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DenseMLP(nn.Module):
+    PACKED = ("w13", "w2")
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(hidden, 2 * intermediate), requires_grad=False)  # [gate | up]
         self.w2 = nn.Parameter(torch.empty(intermediate, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x @ self.w13) @ self.w2
+        return linear(silu_and_mul(linear(x, self.w13)), self.w2)
 
 
 def route(
@@ -57,9 +61,12 @@ def experts_forward(
 
     x: [T, H]; ids, weights: [T, k]; w13: [E_local, H, 2I]; w2: [E_local, I, H]. Assignments to experts
     outside the local range are skipped. Returns [T, H], the weighted sum over the local experts.
-    Decode-sized batches that spread over the experts run as one padded batched matmul (at most half the
-    rows padding); otherwise (prefill, or a few tokens on a few experts) one matmul per hit expert.
+    Weights packed for the CPU kernels run as one kernel call. Otherwise decode-sized batches that spread
+    over the experts run as one padded batched matmul (at most half the rows padding), and the rest
+    (prefill, or a few tokens on a few experts) as one matmul per hit expert.
     """
+    if hasattr(w13, "out_features"):
+        return cpu_ops().moe_experts(x, ids, weights, w13, w2, first_expert)
     num_local, top_k = w13.shape[0], ids.shape[1]
     local = ids.flatten() - first_expert
     order = torch.argsort(local, stable=True)
@@ -98,6 +105,8 @@ def _looped_experts(xs: torch.Tensor, counts: list[int], w13, w2) -> torch.Tenso
 
 
 class SparseMoeBlock(nn.Module):
+    PACKED = ("w13", "w2")
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
         super().__init__()
         self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
@@ -195,6 +204,8 @@ _EXACT_INTS = {torch.float32: 2**24, torch.float16: 2048, torch.bfloat16: 256}  
 
 class ExpertParallelMoe(nn.Module):
     """The MoE block with experts partitioned across an EP group (router and top-k as SparseMoeBlock)."""
+
+    PACKED = ("w13", "w2")
 
     def __init__(
         self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool, comm: Comm

@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
-from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, rms_norm
 from kvferry.model.moe import DenseMLP, ExpertParallelMoe, SparseMoeBlock
 from kvferry.model.parallel import Parallel, TPShard
 
 
 class Attention(nn.Module):
+    PACKED = ("qkv", "o")
+
     def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.layer = layer
@@ -28,6 +31,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
+        self.kernels = False
 
     def forward(
         self,
@@ -37,16 +41,22 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = x @ self.qkv
-        # q and k heads are adjacent: normalise (each with its own weight) and rotate them in one pass
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-        weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
-        qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
-        q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+        qkv = linear(x, self.qkv)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        write_kv(kv[0], kv[1], k, v, meta)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
-        return out.reshape(t, hq * d) @ self.o
+        if self.kernels:  # norms, rotation and the K/V cache writes in one call
+            qk = cpu_ops().qk_norm_rope_store(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, *kv,
+                meta.slot_blocks, meta.slot_offsets, hq,
+            )  # fmt: skip
+        else:
+            # q and k heads are adjacent: normalise (each with its own weight) and rotate them in one pass
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+            weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
+            qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
+            write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
+        q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.kernels)
+        return linear(out.reshape(t, hq * d), self.o)
 
 
 class DecoderLayer(nn.Module):
@@ -79,15 +89,28 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size)
 
-    def forward(self, x, rope, kv, meta) -> torch.Tensor:
-        x = x + self.tp.all_reduce(self.attn(self.input_norm(x), rope, kv, meta))
-        out = self.mlp(self.post_attn_norm(x))
-        return x + (self.tp.all_reduce(out) if self.mlp_partial else out)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to `residual` (None at the first layer).
+
+        Returns (this layer's MLP output, the residual stream before it); the next layer adds them.
+        """
+        if residual is None:
+            residual, h = x, self.input_norm(x)
+        else:
+            h = self.input_norm.add_forward(x, residual)
+        h = self.tp.all_reduce(self.attn(h, rope, kv, meta))
+        out = self.mlp(self.post_attn_norm.add_forward(h, residual))
+        return (self.tp.all_reduce(out) if self.mlp_partial else out), residual
 
 
 class Qwen3MoeModel(nn.Module):
+    PACKED = ("lm_head",)
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel | None = None):
         super().__init__()
+        self.kernels = False
         self.cfg = cfg
         self.parallel = parallel = parallel or Parallel.single()
         tp = parallel.tp
@@ -110,19 +133,37 @@ class Qwen3MoeModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, Hkv, num_blocks, block_size, D]. Returns [T, H]."""
-        x = self._embed(input_ids)
+        x, residual = self._embed(input_ids), None
         rope = self.rotary(positions, x.dtype)
+        if self.kernels:  # [T, D] tables for the kernel
+            rope = tuple(t.squeeze(1) for t in rope)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, rope, (k_cache, v_cache), meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
+        return self.norm.add_forward(x, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits [N, V] (every TP rank takes part; all get the logits)."""
-        local = (hidden @ self.lm_head).float()
+        local = linear(hidden, self.lm_head).float()
         if self.parallel.tp.size == 1:
             return local
         return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
+
+    def pack_weights(self) -> bool:
+        """Switch to the C++ CPU kernels (float32 on CPU, where they build): weights are repacked in
+        place, so this is one-way. Returns whether the kernels now serve this model."""
+        from kvferry.kernels import cpu
+
+        if self.kernels or self.embed.dtype != torch.float32 or self.embed.device.type != "cpu":
+            return self.kernels
+        if not cpu.load():
+            return False
+        for module in self.modules():
+            for name in getattr(module, "PACKED", ()):
+                setattr(module, name, pack(getattr(module, name)))
+            if hasattr(module, "kernels"):
+                module.kernels = True
+        return True
 
     @property
     def num_local_kv_heads(self) -> int:

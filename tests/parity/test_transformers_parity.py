@@ -81,7 +81,7 @@ def test_prefill_logits_match(checkpoint, hf_model, prompts):
             [],
             [],
             [PrefillChunk(0, n, n, torch.tensor(blocks))],
-            kv[0, 0],
+            kv.device,
         )
         ours = model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
         with torch.inference_mode():
@@ -117,3 +117,13 @@ def test_after_preemption_and_recompute(checkpoint, prompts, reference):
     engine = make_engine(checkpoint, num_kv_blocks=16, max_model_len=256, enable_prefix_caching=False)
     assert run_all(engine, prompts) == reference
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_cpu_kernels_and_torch_ops_both_match(checkpoint, prompts, reference):
+    """The C++ CPU kernels (the default on CPU) and the plain torch ops give the same greedy tokens."""
+    from kvferry.kernels import cpu
+
+    for kernels in ("auto", "torch"):
+        engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7)
+        assert engine.kernels == (kernels == "auto" and cpu.load())
+        assert run_all(engine, prompts, stagger=3) == reference

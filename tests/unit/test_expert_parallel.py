@@ -85,7 +85,7 @@ def _model_rank(store, rank: int, size: int, model_dir: str, kind: str):
     slots = list(range(20))
     chunk = PrefillChunk(0, 20, 20, torch.tensor([0, 1]))
     meta = AttentionMetadata.build(
-        [p // 16 for p in slots], [p % 16 for p in slots], [], [], [chunk], cache[0, 0]
+        [p // 16 for p in slots], [p % 16 for p in slots], [], [], [chunk], cache.device
     )
     logits = model.compute_logits(model(ids, torch.arange(20), cache, meta))
     return logits, cache

@@ -1,0 +1,75 @@
+"""kvferry's C++ CPU kernels (`cpu/kvferry_cpu.cpp`): packed skinny GEMM, fused norms, RoPE + KV store,
+paged decode attention and the MoE experts, each one call per layer instead of a dozen torch ops.
+
+The source is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension; about
+20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the source, torch version and CPU, and
+registered as `torch.ops.kvferry_cpu.*`. They need float32 tensors and AVX2 + FMA; `load()` returns
+False where they cannot serve (another CPU, no compiler), and callers keep the plain torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from kvferry.settings import load_settings
+
+SOURCE = Path(__file__).parent / "cpu" / "kvferry_cpu.cpp"
+# -fopenmp: at::parallel_for is header code that runs serially without it; the libgomp.so.1 it binds to at
+# load time is the one torch already loaded (same soname), so there is one OpenMP thread pool
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+log = logging.getLogger(__name__)
+
+
+def supported() -> bool:
+    """The CPU can run the kernels (AVX2 + FMA; ATen reports AVX2 or better)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+
+
+def build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    return f"kvferry_cpu_{digest.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (first time on this machine) and register the kernels; False if they cannot serve here."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = supported() and _build()
+        return _state["ok"]
+
+
+def _build() -> bool:
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    build_dir = load_settings().cache_dir / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        print(f"kvferry: building the CPU kernels in {build_dir} (first start only, ~20 s)", file=sys.stderr)
+    try:
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler, or it failed: torch ops serve
+        log.warning("kvferry CPU kernels unavailable, using torch ops: %s", str(exc).splitlines()[0])
+        return False
+    return True
+
+
+def ops():
+    """The registered kernels, `torch.ops.kvferry_cpu` (after `load()` returned True)."""
+    return torch.ops.kvferry_cpu

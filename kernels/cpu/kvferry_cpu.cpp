@@ -1,0 +1,422 @@
+// kvferry's CPU kernels (float32, AVX2 + FMA): the decode step's hot ops as single calls.
+//
+// Built on first use by kernels/cpu.py (torch.utils.cpp_extension) and registered as torch.ops.kvferry_cpu.*.
+// Threads come from ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs them too.
+//
+// Packed weights: a [K, N] input-major matrix is stored as [ceil(N/16), K, 16] (column blocks of 16), so
+// the GEMM streams each block's K x 16 floats front to back. Expert stacks [E, K, N] pack per expert.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NB = 16;  // columns per packed block (two 8-float AVX2 registers)
+constexpr int MB = 6;       // rows per register tile: 12 accumulators + 2 weight registers + 1 broadcast
+
+inline void store_row(float* out, __m256 lo, __m256 hi, int64_t ncols) {
+  if (ncols == NB) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+  } else {  // the last block of a matrix whose N is not a multiple of 16
+    alignas(32) float buf[NB];
+    _mm256_store_ps(buf, lo);
+    _mm256_store_ps(buf + 8, hi);
+    std::copy(buf, buf + ncols, out);
+  }
+}
+
+// out[m, 0:16] = x[m, :] . w[:, 0:16] for m < R; w: one packed block [K, 16]. The accumulators are named
+// variables (not an array) so that they stay in registers.
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
+         a5 = a0, b5 = a0;
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * NB), w1 = _mm256_loadu_ps(w + k * NB + 8);
+    __m256 xb = _mm256_broadcast_ss(x0 + k);
+    a0 = _mm256_fmadd_ps(xb, w0, a0);
+    b0 = _mm256_fmadd_ps(xb, w1, b0);
+    if constexpr (R > 1) {
+      xb = _mm256_broadcast_ss(x1 + k);
+      a1 = _mm256_fmadd_ps(xb, w0, a1);
+      b1 = _mm256_fmadd_ps(xb, w1, b1);
+    }
+    if constexpr (R > 2) {
+      xb = _mm256_broadcast_ss(x2 + k);
+      a2 = _mm256_fmadd_ps(xb, w0, a2);
+      b2 = _mm256_fmadd_ps(xb, w1, b2);
+    }
+    if constexpr (R > 3) {
+      xb = _mm256_broadcast_ss(x3 + k);
+      a3 = _mm256_fmadd_ps(xb, w0, a3);
+      b3 = _mm256_fmadd_ps(xb, w1, b3);
+    }
+    if constexpr (R > 4) {
+      xb = _mm256_broadcast_ss(x4 + k);
+      a4 = _mm256_fmadd_ps(xb, w0, a4);
+      b4 = _mm256_fmadd_ps(xb, w1, b4);
+    }
+    if constexpr (R > 5) {
+      xb = _mm256_broadcast_ss(x5 + k);
+      a5 = _mm256_fmadd_ps(xb, w0, a5);
+      b5 = _mm256_fmadd_ps(xb, w1, b5);
+    }
+  }
+  store_row(out, a0, b0, ncols);
+  if constexpr (R > 1) store_row(out + ldo, a1, b1, ncols);
+  if constexpr (R > 2) store_row(out + 2 * ldo, a2, b2, ncols);
+  if constexpr (R > 3) store_row(out + 3 * ldo, a3, b3, ncols);
+  if constexpr (R > 4) store_row(out + 4 * ldo, a4, b4, ncols);
+  if constexpr (R > 5) store_row(out + 5 * ldo, a5, b5, ncols);
+}
+
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+               int64_t ncols) {
+  switch (rows) {
+    case 1: return tile<1>(x, ldx, w, K, out, ldo, ncols);
+    case 2: return tile<2>(x, ldx, w, K, out, ldo, ncols);
+    case 3: return tile<3>(x, ldx, w, K, out, ldo, ncols);
+    case 4: return tile<4>(x, ldx, w, K, out, ldo, ncols);
+    case 5: return tile<5>(x, ldx, w, K, out, ldo, ncols);
+    default: return tile<MB>(x, ldx, w, K, out, ldo, ncols);
+  }
+}
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ packed w [nblocks, K, 16]; serial
+void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+                 int64_t ldo, int64_t b0, int64_t b1) {
+  for (int64_t j = b0; j < b1; ++j) {
+    const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      tile_rows(std::min<int64_t>(MB, M - m0), x + m0 * ldx, ldx, w + j * K * NB, K, out + m0 * ldo + j * NB,
+                ldo, ncols);
+  }
+}
+
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* out, int64_t ldo) {
+  const int64_t nblocks = (N + NB - 1) / NB;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) { gemm_serial(x, ldx, M, K, w, N, out, ldo, b0, b1); });
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// e^x for 8 lanes (Cephes' polynomial, relative error ~2e-7 on the softmax range x <= 0; x < -87 -> 0)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  // e^x = 2^n * e^r with n = round(x / ln2), r = x - n ln2 (ln2 split in two for precision)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// s[i] = e^(s[i] * scale - peak) for i < n; returns their sum
+inline float exp_scaled(float* s, int64_t n, float scale, float peak) {
+  const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(peak);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + i), vs, vp));
+    _mm256_storeu_ps(s + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] * scale - peak));
+  return sum;
+}
+
+// The 8 horizontal sums of v[0..7], as one vector (a transpose-and-add tree instead of 8 separate hsums).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // lanes: s0123 = [0 1 2 3 | 0 1 2 3] halves, s4567 likewise: add the low and high 128-bit halves
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// scores[0..7] = q . k_t for the 8 rows k_0..k_7 (row stride D), D % 8 == 0
+inline void dot8(const float* q, const float* k, int64_t D, float* scores) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * D + i), acc[r]);
+  }
+  _mm256_storeu_ps(scores, hsum8(acc));
+}
+
+// the next KV block's K and V rows, fetched while this block is computed (blocks are scattered)
+inline void prefetch_block(const float* k, const float* v, int64_t offset, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(k + offset + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v + offset + i), _MM_HINT_T1);
+  }
+}
+
+float rms_scale(const float* x, int64_t n, double eps) {
+  return 1.f / std::sqrt(dot(x, x, n) / n + static_cast<float>(eps));
+}
+
+}  // namespace
+
+// x [M, K] @ packed [nblocks, K, 16] -> [M, n]
+at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
+  check_f32(x_, "x");
+  check_f32(w, "w");
+  auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == NB && w.size(0) * NB >= n, "packed weight shape");
+  auto out = at::empty({M, n}, x.options());
+  if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w.data_ptr<float>(), n, out.data_ptr<float>(), n);
+  return out;
+}
+
+// [K, N] -> [ceil(N/16), K, 16], zero-padded columns
+at::Tensor pack_weight(const at::Tensor& w) {
+  const int64_t K = w.size(0), N = w.size(1), nblocks = (N + NB - 1) / NB;
+  auto padded = at::zeros({K, nblocks * NB}, w.options());
+  padded.narrow(1, 0, N).copy_(w);
+  return padded.view({K, nblocks, NB}).transpose(0, 1).contiguous();
+}
+
+// HF RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight, double eps) {
+  check_f32(x_, "x");
+  auto x = x_.contiguous();
+  const int64_t H = x.size(-1), T = x.numel() / std::max<int64_t>(H, 1);
+  auto out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float s = rms_scale(xp + t * H, H, eps);
+      for (int64_t i = 0; i < H; ++i) op[t * H + i] = xp[t * H + i] * s * wp[i];
+    }
+  });
+  return out;
+}
+
+// residual += x (in place), returns rms_norm(residual)
+at::Tensor add_rms_norm(const at::Tensor& x_, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_f32(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
+  auto x = x_.contiguous();
+  const int64_t H = x.size(-1), T = x.numel() / std::max<int64_t>(H, 1);
+  auto out = at::empty_like(residual);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = rp + t * H;
+      for (int64_t i = 0; i < H; ++i) r[i] += xp[t * H + i];
+      const float s = rms_scale(r, H, eps);
+      for (int64_t i = 0; i < H; ++i) op[t * H + i] = r[i] * s * wp[i];
+    }
+  });
+  return out;
+}
+
+// qkv [T, (Hq + 2 Hkv) * D]: RMS-normalise every q and k head (q_weight / k_weight [D]) and rotate it (HF's
+// non-interleaved RoPE: x * cos + roll(x, D/2) * sin_signed, cos / sin_signed [T, D] at each token's
+// position); write k and v into their cache slots (caches [Hkv, num_blocks, bs, D]). Returns the rotated
+// q and k heads, [T, Hq + Hkv, D].
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                              double eps, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_,
+                              int64_t num_heads) {
+  check_f32(qkv_, "qkv");
+  check_f32(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto qkv = qkv_.contiguous();
+  auto cos = cos_.contiguous(), sin = sin_.contiguous();
+  auto slot_blocks = slot_blocks_.to(at::kLong).contiguous(), slot_offsets = slot_offsets_.to(at::kLong).contiguous();
+  const int64_t T = qkv.size(0), hkv = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2),
+                D = k_cache.size(3), half = D / 2, width = qkv.size(1), heads = num_heads + hkv;
+  TORCH_CHECK(width == (num_heads + 2 * hkv) * D, "qkv width does not match the heads");
+  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D, "cos / sin must be [T, D]");
+  auto qk = at::empty({T, heads, D}, qkv.options());
+  const float *src = qkv.data_ptr<float>(), *qw = q_weight.data_ptr<float>(), *kw = k_weight.data_ptr<float>(),
+              *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
+  float *qkp = qk.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> normed(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = src + t * width + h * D;
+        const float* w = h < num_heads ? qw : kw;
+        const float scale = rms_scale(x, D, eps);
+        for (int64_t i = 0; i < D; ++i) normed[i] = x[i] * scale * w[i];
+        float* dst = qkp + (t * heads + h) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = normed[i] * c[i] + normed[(i + half) % D] * s[i];
+        if (h >= num_heads)
+          std::copy_n(dst, D, kc + (((h - num_heads) * num_blocks + blk[t]) * bs + off[t]) * D);
+      }
+      for (int64_t h = 0; h < hkv; ++h)
+        std::copy_n(src + t * width + (heads + h) * D, D, vc + ((h * num_blocks + blk[t]) * bs + off[t]) * D);
+    }
+  });
+  return qk;
+}
+
+// One query token per sequence over its cached KV blocks. q [B, Hq, D]; caches [Hkv, num_blocks, bs, D];
+// block_tables [B, W] (int64); context_lens [B]. Returns [B, Hq * D]. Query heads h*G..h*G+G-1 read KV head h.
+at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
+  check_f32(q_, "q");
+  check_f32(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto q = q_.contiguous();
+  auto block_tables = block_tables_.to(at::kLong).contiguous();
+  auto context_lens = context_lens_.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), hkv = k_cache.size(0), num_blocks = k_cache.size(1),
+                bs = k_cache.size(2), W = block_tables.size(1), group = hq / hkv;
+  auto out = at::empty({B, hq * D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, acc(group * D);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / hkv, h = item % hkv, len = std::min(lens[b], W * bs);
+      const float* qb = qp + (b * hq + h * group) * D;
+      scores.assign(group * len, 0.f);
+      for (int64_t t = 0; t < len;) {
+        if (t % bs == 0 && t + bs < len) prefetch_block(kc, vc, (h * num_blocks + bt[b * W + t / bs + 1]) * bs * D, bs * D);
+        const float* k = kc + ((h * num_blocks + bt[b * W + t / bs]) * bs + t % bs) * D;
+        if (D % 8 == 0 && t % bs + 8 <= bs && t + 8 <= len) {  // 8 rows of one block at once
+          for (int64_t g = 0; g < group; ++g) dot8(qb + g * D, k, D, &scores[g * len + t]);
+          t += 8;
+        } else {
+          for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qb + g * D, k, D);
+          t += 1;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float peak = *std::max_element(s, s + len) * fscale;
+        const float inv = 1.f / exp_scaled(s, len, fscale, peak);
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = vc + ((h * num_blocks + bt[b * W + t / bs]) * bs + t % bs) * D;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, acc.data() + g * D, D);
+      }
+      std::copy(acc.begin(), acc.end(), op + (b * hq + h * group) * D);
+    }
+  });
+  return out;
+}
+
+// The experts of an MoE layer for the (token, expert) assignments that fall on experts first..first+E-1.
+// x [T, H]; ids, weights [T, k]; w13 packed per expert [E, 2I/16, H, 16]; w2 [E, H/16, I, 16].
+// Returns [T, H] = sum over local assignments of weight * (silu(x W_gate) * (x W_up)) W_2.
+at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& weights_,
+                       const at::Tensor& w13, const at::Tensor& w2, int64_t first_expert) {
+  check_f32(x_, "x");
+  auto x = x_.contiguous();
+  auto ids = ids_.to(at::kLong).contiguous();
+  auto weights = weights_.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0), I = w2.size(2);
+  auto out = at::zeros({T, H}, x.options());
+  if (T == 0) return out;
+  const int64_t *idp = ids.data_ptr<int64_t>();
+  const float* wtp = weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows(E);  // assignment index (t * k + j) per local expert
+  for (int64_t a = 0; a < T * top_k; ++a) {
+    const int64_t e = idp[a] - first_expert;
+    if (e >= 0 && e < E) rows[e].push_back(a);
+  }
+  int64_t widest = 0;
+  for (auto& r : rows) widest = std::max<int64_t>(widest, r.size());
+  auto xs = at::empty({widest, H}, x.options()), h13 = at::empty({widest, 2 * I}, x.options()),
+       y = at::empty({widest, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *xsp = xs.data_ptr<float>(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = rows[e].size();
+    if (n == 0) continue;
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[e][r] / top_k * H, H, xsp + r * H);
+    gemm(xsp, H, n, H, w13[e].data_ptr<float>(), 2 * I, hp, 2 * I);
+    for (int64_t r = 0; r < n; ++r) {
+      float* g = hp + r * 2 * I;  // [gate | up] -> silu(gate) * up, into the gate half (row stride 2I)
+      for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
+    gemm(hp, 2 * I, n, I, w2[e].data_ptr<float>(), H, yp, H);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t a = rows[e][r];
+      axpy(wtp[a], yp + r * H, op + a / top_k * H, H);
+    }
+  }
+  return out;
+}
+
+TORCH_LIBRARY(kvferry_cpu, m) {
+  m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "qk_norm_rope_store(Tensor qkv, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin_signed, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_blocks, Tensor slot_offsets, int num_heads) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "float scale) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("pack_weight", &pack_weight);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("qk_norm_rope_store", &qk_norm_rope_store);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("moe_experts", &moe_experts);
+}
