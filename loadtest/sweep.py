@@ -1,6 +1,6 @@
 """`kvferry loadtest sweep`: run locust headless once per request rate, then report SLO goodput.
 
-For each target (the cluster, and with `--compare` a second one; a router's gRPC HOST:PORT, or
+For each target (the cluster, and each `--compare` target after it; a router's gRPC HOST:PORT, or
 http://HOST:PORT of any OpenAI-compatible server) and each rate: one locust run of
 `--duration` seconds of open-loop arrivals, its JSONL records kept in OUT/<label>/rate-<r>.jsonl.
 Then per rate: TTFT/TPOT/ITL/E2EL p50/p90/p99, SLO attainment, throughput; per target: the goodput.
@@ -33,7 +33,12 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
         required=True,
         help="router HOST:PORT (gRPC), or http://HOST:PORT of any OpenAI-compatible server (completions)",
     )
-    p.add_argument("--compare", default=None, help="a second target (either kind) swept the same way")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="another target (either kind) swept the same way; repeatable",
+    )
     p.add_argument("--labels", default="", help="names of the targets in the report, comma-separated")
     p.add_argument("--rates", default="0.5,1,2,4,8", help="requests per second, comma-separated")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
@@ -163,8 +168,10 @@ def run_sweep(args) -> dict:
     if not rates or min(rates) <= 0:
         raise SystemExit("--rates must list positive request rates")
     slo = Slo(args.slo_ttft, args.slo_tpot)
-    targets = [args.target] + ([args.compare] if args.compare else [])
-    labels = [x for x in args.labels.split(",") if x] or ["target", "compare"][: len(targets)]
+    targets = [args.target, *args.compare]
+    labels = [x for x in args.labels.split(",") if x] or ["target"] + [
+        f"compare{i}" for i in range(len(args.compare))
+    ]
     if len(labels) != len(targets):
         raise SystemExit(f"--labels names {len(labels)} targets, there are {len(targets)}")
     args.out.mkdir(parents=True, exist_ok=True)

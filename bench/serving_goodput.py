@@ -1,0 +1,121 @@
+"""Serving goodput, side by side in one run: kvferry disaggregated, kvferry colocated, and (with --vllm)
+any OpenAI-compatible server, all measured by the same client over the same OpenAI HTTP API.
+
+Brings up both kvferry clusters on this machine (`kvferry up` and `kvferry up --colocated`, each with
+the launcher's thread placement), then for every target:
+- c1: `--c1-requests` requests one at a time (streamed, greedy, ignore_eos): TTFT and TPOT medians;
+- a `kvferry loadtest sweep` over `--rates` (open-loop Poisson arrivals, locust), SLO attainment and
+  goodput (the highest rate with >= 90% of requests meeting both SLOs, interpolated).
+OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png with every target on
+the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
+
+    python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--out DIR]
+
+`../shared/peers/README.md` says how vLLM's CPU wheel installs and starts beside kvferry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_model_dir, print_result
+
+from kvferry.deploy.config import ClusterConfig, RouterSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.loadtest.sweep import add_sweep_args, run_sweep
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def c1(url: str, prompt: list[int], output_len: int, requests: int) -> dict:
+    """Requests one at a time: TTFT and TPOT medians in ms (first request is a warm-up, not counted)."""
+    model = served_model(url)
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True}
+    body |= {"temperature": 0, "stream": True}
+    ttfts, tpots = [], []
+    for i in range(requests + 1):
+        request = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        sent, times = time.perf_counter(), []
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            for line in resp:
+                if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+        if i and len(times) > 1:
+            ttfts.append((times[0] - sent) * 1e3)
+            tpots.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+    return {"ttft_ms": round(statistics.median(ttfts), 1), "tpot_ms": round(statistics.median(tpots), 2)}
+
+
+def start(model: str, colocated: bool, log_dir: Path) -> LocalCluster:
+    router = RouterSettings(port=0, http_port=0)
+    namespace = "colocated" if colocated else "disagg"
+    cfg = ClusterConfig(model=model, namespace=namespace, router=router, colocated=colocated)
+    cluster = LocalCluster(cfg, log_dir=log_dir, quiet=True)
+    cluster.start()
+    return cluster
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(ap)
+    ap.set_defaults(target="", slo_ttft=1.0, slo_tpot=0.1, rates="1,2,3,4,5", duration=30.0)
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--vllm", default="", help="http://HOST:PORT of a vLLM (or any OpenAI-compatible) server")
+    ap.add_argument("--c1-requests", type=int, default=5)
+    for action in ap._actions:
+        if action.dest in ("target", "slo_ttft", "slo_tpot", "out"):
+            action.required = False
+    args = ap.parse_args()
+    args.out = args.out or Path("serving-goodput")
+    model = str(bench_model_dir(args.model))
+    prompt = list(range(100, 100 + args.input_len))
+    clusters = [start(model, colocated, args.out / "logs" / name) for name, colocated in
+                (("disagg", False), ("colocated", True))]  # fmt: skip
+    try:
+        urls = {"kvferry": clusters[0].http_url, "colocated": clusters[1].http_url}
+        if args.vllm:
+            urls["vllm"] = args.vllm.rstrip("/")
+        single = {}
+        for label, url in urls.items():
+            single[label] = c1(url, prompt, args.output_len, args.c1_requests)
+            print(f"{label} c1: {single[label]}", file=sys.stderr)
+        args.target, *args.compare = urls.values()
+        args.labels = ",".join(urls)
+        report = run_sweep(args)
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+    good = {label: report["targets"][label]["goodput"] for label in urls}
+    result = {
+        "model": Path(model).name,
+        "slo": report["slo"],
+        "rates": args.rates,
+        "kvferry_goodput": good["kvferry"],
+        "colocated_goodput": good["colocated"],
+        "vllm_goodput": good.get("vllm"),
+        "kvferry_vs_colocated": _ratio(good["kvferry"], good["colocated"]),
+        "kvferry_vs_vllm": _ratio(good["kvferry"], good.get("vllm")),
+        **{f"{label}_c1_tpot_ms": single[label]["tpot_ms"] for label in urls},
+        **{f"{label}_c1_ttft_ms": single[label]["ttft_ms"] for label in urls},
+    }
+    print_result(result, args.out / "result.json")
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return round(a / b, 3) if b else None  # None: no baseline, or it met the SLOs at no swept rate
+
+
+if __name__ == "__main__":
+    main()
