@@ -110,10 +110,13 @@ def main() -> None:
             f"transformers {baseline_tps:.1f} tok/s"
         )
     bandwidth = memcpy_gbps()
-    step_bytes = weight_bytes_per_step(engine.model.cfg, 1, engine.dtype.itemsize)
+    # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16)
+    step_bytes = weight_bytes_per_step(engine.model.cfg, 1, engine.model.lm_head.element_size())
     print_result(
         {
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights_stored_as": str(engine.model.lm_head.dtype).removeprefix("torch."),
+            "cpu_kernels": engine.kernels,
             "kvferry_out_tok_s": round(kvferry_tps, 1),
             "baseline_out_tok_s": round(baseline_tps, 1),
             "ratio": round(kvferry_tps / baseline_tps, 3),

@@ -32,15 +32,29 @@ inline void store_row(float* out, __m256 lo, __m256 hi, int64_t ncols) {
   }
 }
 
+// 16 weights of one packed row as two float vectors: float32 as is, bfloat16 widened exactly (bf16 is the
+// top half of a float32), so a bf16-stored weight computes the same float32 products at half the bytes.
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+
+inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
 // out[m, 0:16] = x[m, :] . w[:, 0:16] for m < R; w: one packed block [K, 16]. The accumulators are named
 // variables (not an array) so that they stay in registers.
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
+template <int R, typename T>
+inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
          a5 = a0, b5 = a0;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * NB), w1 = _mm256_loadu_ps(w + k * NB + 8);
+    __m256 w0, w1;
+    load16(w + k * NB, w0, w1);
     __m256 xb = _mm256_broadcast_ss(x0 + k);
     a0 = _mm256_fmadd_ps(xb, w0, a0);
     b0 = _mm256_fmadd_ps(xb, w1, b0);
@@ -78,7 +92,8 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* 
   if constexpr (R > 5) store_row(out + 5 * ldo, a5, b5, ncols);
 }
 
-void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+template <typename T>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo,
                int64_t ncols) {
   switch (rows) {
     case 1: return tile<1>(x, ldx, w, K, out, ldo, ncols);
@@ -91,7 +106,8 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_
 }
 
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ packed w [nblocks, K, 16]; serial
-void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+template <typename T>
+void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N, float* out,
                  int64_t ldo, int64_t b0, int64_t b1) {
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
@@ -101,9 +117,18 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const float*
   }
 }
 
-void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* out, int64_t ldo) {
+template <typename T>
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N, float* out, int64_t ldo) {
   const int64_t nblocks = (N + NB - 1) / NB;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) { gemm_serial(x, ldx, M, K, w, N, out, ldo, b0, b1); });
+}
+
+// gemm over a packed weight of either storage dtype
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* out, int64_t ldo) {
+  if (w.scalar_type() == at::kBFloat16)
+    gemm(x, ldx, M, K, w.data_ptr<at::BFloat16>(), N, out, ldo);
+  else
+    gemm(x, ldx, M, K, w.data_ptr<float>(), N, out, ldo);
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -202,19 +227,19 @@ float rms_scale(const float* x, int64_t n, double eps) {
 
 }  // namespace
 
-// x [M, K] @ packed [nblocks, K, 16] -> [M, n]
+// x [M, K] @ packed [nblocks, K, 16] (float32 or bfloat16) -> [M, n]
 at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
   check_f32(x_, "x");
-  check_f32(w, "w");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
   auto x = x_.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == NB && w.size(0) * NB >= n, "packed weight shape");
   auto out = at::empty({M, n}, x.options());
-  if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w.data_ptr<float>(), n, out.data_ptr<float>(), n);
+  if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w, n, out.data_ptr<float>(), n);
   return out;
 }
 
-// [K, N] -> [ceil(N/16), K, 16], zero-padded columns
+// [K, N] -> [ceil(N/16), K, 16], zero-padded columns, in w's dtype
 at::Tensor pack_weight(const at::Tensor& w) {
   const int64_t K = w.size(0), N = w.size(1), nblocks = (N + NB - 1) / NB;
   auto padded = at::zeros({K, nblocks * NB}, w.options());
@@ -383,12 +408,12 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
     const int64_t n = rows[e].size();
     if (n == 0) continue;
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[e][r] / top_k * H, H, xsp + r * H);
-    gemm(xsp, H, n, H, w13[e].data_ptr<float>(), 2 * I, hp, 2 * I);
+    gemm(xsp, H, n, H, w13[e], 2 * I, hp, 2 * I);
     for (int64_t r = 0; r < n; ++r) {
       float* g = hp + r * 2 * I;  // [gate | up] -> silu(gate) * up, into the gate half (row stride 2I)
       for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
     }
-    gemm(hp, 2 * I, n, I, w2[e].data_ptr<float>(), H, yp, H);
+    gemm(hp, 2 * I, n, I, w2[e], H, yp, H);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t a = rows[e][r];
       axpy(wtp[a], yp + r * H, op + a / top_k * H, H);

@@ -29,6 +29,20 @@ def test_packed_linear(m, k, n):
     torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-4)
 
 
+def test_bf16_exact_weights_are_stored_as_bf16():
+    """A float32 weight holding only bf16 values (a bf16 checkpoint) packs to bf16, with the same products."""
+    x, w = randn(3, 64), randn(64, 32).bfloat16().float()
+    packed = pack(w)
+    assert packed.dtype == torch.bfloat16
+    torch.testing.assert_close(linear(x, packed), x @ w, rtol=1e-5, atol=1e-4)
+    assert pack(randn(64, 32)).dtype == torch.float32  # not bf16-exact: kept in float32
+    stack = randn(2, 64, 32).bfloat16().float()
+    ids, weights = torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.rand(3, 2, generator=GEN)
+    w2 = randn(2, 16, 64).bfloat16().float()
+    out = experts_forward(x, ids, weights, pack(stack), pack(w2))
+    torch.testing.assert_close(out, experts_forward(x, ids, weights, stack, w2), rtol=1e-4, atol=1e-4)
+
+
 def test_packed_expert_stack():
     w = randn(3, 32, 64)
     packed = pack(w)
