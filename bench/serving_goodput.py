@@ -24,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
@@ -37,13 +39,16 @@ def served_model(url: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
-def c1(url: str, prompt: list[int], output_len: int, requests: int) -> dict:
-    """Requests one at a time: TTFT and TPOT medians in ms (first request is a warm-up, not counted)."""
+def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
+    """Requests one at a time, each a fresh prompt (no prefix-cache hits): TTFT and TPOT medians in ms
+    (the first request is a warm-up, not counted)."""
     model = served_model(url)
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True}
-    body |= {"temperature": 0, "stream": True}
+    gen = torch.Generator().manual_seed(1234)
     ttfts, tpots = [], []
     for i in range(requests + 1):
+        prompt = torch.randint(100, 4000, (input_len,), generator=gen).tolist()
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True}
+        body |= {"temperature": 0, "stream": True}
         request = urllib.request.Request(
             f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -80,7 +85,6 @@ def main() -> None:
     args = ap.parse_args()
     args.out = args.out or Path("serving-goodput")
     model = str(bench_model_dir(args.model))
-    prompt = list(range(100, 100 + args.input_len))
     clusters = [start(model, colocated, args.out / "logs" / name) for name, colocated in
                 (("disagg", False), ("colocated", True))]  # fmt: skip
     try:
@@ -89,7 +93,7 @@ def main() -> None:
             urls["vllm"] = args.vllm.rstrip("/")
         single = {}
         for label, url in urls.items():
-            single[label] = c1(url, prompt, args.output_len, args.c1_requests)
+            single[label] = c1(url, args.input_len, args.output_len, args.c1_requests)
             print(f"{label} c1: {single[label]}", file=sys.stderr)
         args.target, *args.compare = urls.values()
         args.labels = ",".join(urls)
