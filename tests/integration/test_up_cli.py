@@ -116,16 +116,18 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
                 timeout=60,
             )
             assert nobody.returncode == 2 and "no kvferry up serves namespace 'x'" in nobody.stderr
-            # SIGTERM with requests in flight: the workers drain before the router goes
+            # SIGTERM with requests in flight: the workers drain before the router goes. Long enough
+            # (seconds of decode) to be seen in flight by the heartbeat that the loop below reads.
+            longer = build_request("def fibonacci(n):", max_tokens=1500, temperature=0.0, ignore_eos=True)
             with ThreadPoolExecutor(2) as pool:
-                last = [pool.submit(client.generate, long, 120) for _ in range(2)]
+                last = [pool.submit(client.generate, longer, 120) for _ in range(2)]
                 meta = MetadataStore(redis_url, "default")
                 deadline = time.monotonic() + 30
                 while meta.members("decode").get("decode-0", {}).get("inflight", 0) < 2:
                     assert time.monotonic() < deadline, "the requests never reached the decode worker"
                     time.sleep(0.05)
                 proc.send_signal(signal.SIGTERM)
-                assert [f.result().finished.output_tokens for f in last] == [150, 150]
+                assert [f.result().finished.output_tokens for f in last] == [1500, 1500]
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
