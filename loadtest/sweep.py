@@ -62,6 +62,12 @@ def users_for(rate: float, duration: float) -> int:
     return max(8, min(2000, math.ceil(rate * min(duration, 60.0)) + 8))
 
 
+def rate_seed(seed: int, rate: float) -> int:
+    """The arrivals and prompts of one rate: the same for every target, different at every rate, so a
+    server's prefix cache never serves a prompt it saw at an earlier rate of the sweep."""
+    return seed * 1_000_003 + round(rate * 1000)
+
+
 def user_class(target: str) -> str:
     """The locustfile's user for a target: OpenAI completions over HTTP, or the router's gRPC API."""
     return "OpenAIUser" if target.startswith(("http://", "https://")) else "GenerateUser"
@@ -103,7 +109,7 @@ def run_rate(args, target: str, rate: float, records: Path, bar: tqdm) -> float:
         "--records",
         str(records),
         "--arrival-seed",
-        str(args.seed),
+        str(rate_seed(args.seed, rate)),
         "--request-timeout",
         str(args.request_timeout),
         "--vocab-size",
