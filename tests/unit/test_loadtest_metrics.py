@@ -94,3 +94,13 @@ def test_prompts_share_their_prefix_and_are_reproducible():
     assert [src.next_index() for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError):
         PromptSource(100, 40, prefix_share=1.0)
+
+
+def test_each_rate_gets_its_own_seed():
+    """Prompts and arrivals differ between the rates of a sweep (no prefix-cache hits across rates)
+    but not between the targets swept at one rate."""
+    from kvferry.loadtest.sweep import rate_seed
+
+    seeds = {rate_seed(0, r) for r in (0.5, 1, 2, 3, 4)}
+    assert len(seeds) == 5
+    assert rate_seed(0, 2) == rate_seed(0, 2.0) != rate_seed(1, 2)
