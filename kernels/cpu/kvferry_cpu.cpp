@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -109,11 +110,28 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K,
 template <typename T>
 void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N, float* out,
                  int64_t ldo, int64_t b0, int64_t b1) {
+  // bf16 blocks feeding more than one row tile are widened once into a float32 copy (K x 16, cache
+  // resident) instead of once per tile: decode (few rows) reads half the bytes, prefill pays no widening
+  const bool widen_once = !std::is_same_v<T, float> && M > MB;
+  std::vector<float> wide(widen_once ? K * NB : 0);
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
-    for (int64_t m0 = 0; m0 < M; m0 += MB)
-      tile_rows(std::min<int64_t>(MB, M - m0), x + m0 * ldx, ldx, w + j * K * NB, K, out + m0 * ldo + j * NB,
-                ldo, ncols);
+    const T* block = w + j * K * NB;
+    if (widen_once) {
+      for (int64_t k = 0; k < K; ++k) {
+        __m256 lo, hi;
+        load16(block + k * NB, lo, hi);
+        _mm256_storeu_ps(wide.data() + k * NB, lo);
+        _mm256_storeu_ps(wide.data() + k * NB + 8, hi);
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t rows = std::min<int64_t>(MB, M - m0);
+      if (widen_once)
+        tile_rows(rows, x + m0 * ldx, ldx, wide.data(), K, out + m0 * ldo + j * NB, ldo, ncols);
+      else
+        tile_rows(rows, x + m0 * ldx, ldx, block, K, out + m0 * ldo + j * NB, ldo, ncols);
+    }
   }
 }
 
