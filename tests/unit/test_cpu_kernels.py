@@ -35,6 +35,8 @@ def test_bf16_exact_weights_are_stored_as_bf16():
     packed = pack(w)
     assert packed.dtype == torch.bfloat16
     torch.testing.assert_close(linear(x, packed), x @ w, rtol=1e-5, atol=1e-4)
+    tall = randn(13, 64)  # more rows than one register tile: the block is widened once, then reused
+    torch.testing.assert_close(linear(tall, packed), tall @ w, rtol=1e-5, atol=1e-4)
     assert pack(randn(64, 32)).dtype == torch.float32  # not bf16-exact: kept in float32
     stack = randn(2, 64, 32).bfloat16().float()
     ids, weights = torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.rand(3, 2, generator=GEN)
