@@ -176,9 +176,9 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += al
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// e^x for 8 lanes (Cephes' polynomial, relative error ~2e-7 on the softmax range x <= 0; x < -87 -> 0)
+// e^x for 8 lanes (Cephes' polynomial, relative error ~2e-7; x clamped to [-87.3, 88.3], the float range)
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   // e^x = 2^n * e^r with n = round(x / ln2), r = x - n ln2 (ln2 split in two for precision)
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -208,6 +208,18 @@ inline float exp_scaled(float* s, int64_t n, float scale, float peak) {
   float sum = hsum(total);
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] * scale - peak));
   return sum;
+}
+
+// g [2I] = [gate | up] -> silu(gate) * up, written into the gate half
+inline void silu_mul(float* g, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gate = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gate))));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + I + i)));
+  }
+  for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
 }
 
 // The 8 horizontal sums of v[0..7], as one vector (a transpose-and-add tree instead of 8 separate hsums).
@@ -427,10 +439,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
     if (n == 0) continue;
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[e][r] / top_k * H, H, xsp + r * H);
     gemm(xsp, H, n, H, w13[e], 2 * I, hp, 2 * I);
-    for (int64_t r = 0; r < n; ++r) {
-      float* g = hp + r * 2 * I;  // [gate | up] -> silu(gate) * up, into the gate half (row stride 2I)
-      for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-    }
+    for (int64_t r = 0; r < n; ++r) silu_mul(hp + r * 2 * I, I);
     gemm(hp, 2 * I, n, I, w2[e], H, yp, H);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t a = rows[e][r];
