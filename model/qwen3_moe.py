@@ -17,9 +17,8 @@ from kvferry.model.parallel import Parallel, TPShard
 class Attention(nn.Module):
     PACKED = ("qkv", "o")
 
-    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard):
+    def __init__(self, cfg: ModelConfig, shard: TPShard):
         super().__init__()
-        self.layer = layer
         # this rank's heads (all of them unless tensor-parallel)
         self.num_heads, self.num_kv_heads = len(shard.heads), len(shard.kv_heads)
         self.head_dim = d = cfg.head_dim
@@ -65,7 +64,7 @@ class DecoderLayer(nn.Module):
         tp, ep = parallel.tp, parallel.ep
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads))
+        self.attn = Attention(cfg, TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads))
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_partial = tp.size > 1  # each rank's MLP output is a partial sum to all-reduce
         if cfg.is_moe_layer(layer) and ep.size > 1:
