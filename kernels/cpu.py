@@ -2,7 +2,7 @@
 paged decode attention and the MoE experts, each one call per layer instead of a dozen torch ops.
 
 The source is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension; about
-20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the source, torch version and CPU, and
+20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the source, torch version and compiler flags, and
 registered as `torch.ops.kvferry_cpu.*`. They need float32 tensors and AVX2 + FMA; `load()` returns
 False where they cannot serve (another CPU, no compiler), and callers keep the plain torch path.
 """

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.kernels.cpu import ops as cpu_ops
-from kvferry.kernels.paged_attention import paged_decode_attention_reference
+from kvferry.kernels.paged_attention import block_rows, gather_rows, paged_decode_attention_reference
 
 
 @dataclass
@@ -93,21 +93,6 @@ def paged_attention(
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out
-
-
-def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Copy (head, block) rows of a [Hkv, num_blocks, bs, D] cache: -> [len(rows) * bs, D].
-
-    index_select over dim 0 of the flattened cache is one memcpy per row, 4x faster than over dim 1.
-    """
-    hkv, num_blocks, bs, d = cache.shape
-    return cache.view(hkv * num_blocks, bs * d).index_select(0, rows).view(-1, d)
-
-
-def block_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Row ids of `blocks` for every head, head-major: [Hkv * len(blocks)]."""
-    hkv, num_blocks = cache.shape[:2]
-    return (torch.arange(hkv, device=blocks.device)[:, None] * num_blocks + blocks[None, :]).flatten()
 
 
 def _prefill_attention(
