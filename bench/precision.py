@@ -2,7 +2,8 @@
 counts, each way the weights can be stored and multiplied, against float32 `torch.mm` in the same run.
 
 Paths: float32 `x @ w` (MKL/oneDNN), kvferry's packed float32 kernel, kvferry's packed kernel on
-bf16-stored weights (widened exactly in registers: float32 products), torch bfloat16 `x @ w` (native
+bf16-stored weights (widened exactly in registers: float32 products), on CPUs with AVX512-BF16 kvferry's
+bf16 dot-product kernel (activations rounded to bf16, vdpbf16ps), torch bfloat16 `x @ w` (native
 on CPUs with AVX512-BF16/AMX, emulated elsewhere), and torch's int8 weight-only kernel
 (`_weight_int8pack_mm`, per-channel scales). The weights of all 8 layers (attention projections and
 the two experts a token picks, plus lm_head) are distinct tensors, larger together than the cache, so
@@ -46,6 +47,8 @@ def paths(weights: list[torch.Tensor]) -> dict:
     if cpu.load():
         out["kvferry float32"] = ([pack(w) for w in weights], linear)
         out["kvferry bf16-stored"] = ([pack(w.bfloat16().float()) for w in weights], linear)
+    if cpu.bf16_dot():
+        out["kvferry bf16 dot"] = ([pack(w, bf16_dot=True) for w in weights], linear)
     return out
 
 

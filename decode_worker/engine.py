@@ -108,12 +108,14 @@ class LLMEngine:
             self.model_dir, self.dtype, self.device, max_positions=self.max_model_len, parallel=parallel
         )
         self.kernels = cfg.kernels == "auto" and self.model.pack_weights()
+        # the activations' and KV cache's dtype: float32 under the CPU kernels, also for a bf16 model
+        self.kv_dtype = self.model.embed.dtype
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
             dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)
         )
         num_blocks = cfg.num_kv_blocks or int(
-            cfg.kv_cache_memory_gib * 2**30 // kv_block_bytes(self.model, cfg.block_size, self.dtype)
+            cfg.kv_cache_memory_gib * 2**30 // kv_block_bytes(self.model, cfg.block_size, self.kv_dtype)
         )
         if num_blocks * cfg.block_size < self.max_model_len:
             raise ModelConfigError(
@@ -122,7 +124,9 @@ class LLMEngine:
                 "or lower --max-model-len"
             )
         self.checkpoint_id = checkpoint_digest(self.model_dir)
-        fingerprint = model_fingerprint(self.checkpoint_id, str(self.dtype))
+        # the KV's numerics: the model's dtype, and the cache's where it differs (bf16 matmuls, float32 KV)
+        numerics = str(self.dtype) if self.kv_dtype == self.dtype else f"{self.dtype}/kv-{self.kv_dtype}"
+        fingerprint = model_fingerprint(self.checkpoint_id, numerics)
         self.fingerprint = fingerprint
         self.block_manager = BlockManager(num_blocks, cfg.block_size, fingerprint, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -207,7 +207,7 @@ class EngineWorker:
 def kv_layout(engine: LLMEngine) -> BlockLayout:
     cfg = engine.model.cfg
     return BlockLayout(
-        cfg.num_layers, cfg.num_kv_heads, engine.cfg.block_size, cfg.head_dim, dtype_name(engine.dtype)
+        cfg.num_layers, cfg.num_kv_heads, engine.cfg.block_size, cfg.head_dim, dtype_name(engine.kv_dtype)
     )
 
 

@@ -3,8 +3,10 @@ paged decode attention and the MoE experts, each one call per layer instead of a
 
 The source is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension; about
 20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the source, torch version and compiler flags, and
-registered as `torch.ops.kvferry_cpu.*`. They need float32 tensors and AVX2 + FMA; `load()` returns
-False where they cannot serve (another CPU, no compiler), and callers keep the plain torch path.
+registered as `torch.ops.kvferry_cpu.*`. They need float32 activations and AVX2 + FMA; `load()` returns
+False where they cannot serve (another CPU, no compiler), and callers keep the plain torch path. On CPUs
+with AVX512-BF16 the build adds a GEMM over bf16 weights packed in k pairs (`pack_weight_bf16_pairs`)
+that rounds the activations to bf16 and multiplies with vdpbf16ps: what `--dtype bfloat16` runs there.
 """
 
 from __future__ import annotations
@@ -22,10 +24,30 @@ from kvferry.settings import load_settings
 SOURCE = Path(__file__).parent / "cpu" / "kvferry_cpu.cpp"
 # -fopenmp: at::parallel_for is header code that runs serially without it; the libgomp.so.1 it binds to at
 # load time is the one torch already loaded (same soname), so there is one OpenMP thread pool
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+# CPUs with AVX512-BF16 (Zen 4+, Cooper Lake, Sapphire Rapids+) also get the bf16 dot-product GEMM
+BF16_DOT_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DKVFERRY_AVX512BF16"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 log = logging.getLogger(__name__)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def has_avx512_bf16() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+
+
+def flags() -> list[str]:
+    return BASE_FLAGS + (BF16_DOT_FLAGS if has_avx512_bf16() else [])
 
 
 def supported() -> bool:
@@ -34,7 +56,7 @@ def supported() -> bool:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags()).encode())
     return f"kvferry_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -58,7 +80,7 @@ def _build() -> bool:
         cpp_extension.load(
             name,
             [str(SOURCE)],
-            extra_cflags=FLAGS,
+            extra_cflags=flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
@@ -73,3 +95,8 @@ def _build() -> bool:
 def ops():
     """The registered kernels, `torch.ops.kvferry_cpu` (after `load()` returned True)."""
     return torch.ops.kvferry_cpu
+
+
+def bf16_dot() -> bool:
+    """The loaded kernels multiply bf16 weights with bf16-rounded activations (the AVX512-BF16 build)."""
+    return load() and ops().has_bf16_dot()

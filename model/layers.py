@@ -20,16 +20,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_ops().packed_linear(x, w, n)
 
 
-def pack(w: torch.Tensor) -> nn.Parameter:
+def pack(w: torch.Tensor, bf16_dot: bool = False) -> nn.Parameter:
     """[K, N] -> the CPU kernels' [ceil(N/16), K, 16] layout (stacks [E, K, N] pack per expert).
 
     A float32 weight whose values are all bfloat16 numbers (any bf16 checkpoint) is stored as bf16:
     the kernels widen it exactly, so the products are the same and the step reads half the bytes.
+    `bf16_dot` (kernels built with AVX512-BF16, even K): the weight is rounded to bf16 and packed in k
+    pairs, [ceil(N/16), K/2, 32], and the GEMM rounds the activations to bf16 too (bf16 compute).
     """
-    narrow = w.to(torch.bfloat16)
-    if torch.equal(narrow.to(w.dtype), w):
-        w = narrow
-    packed = cpu_ops().pack_weight(w) if w.dim() == 2 else torch.stack([cpu_ops().pack_weight(e) for e in w])
+    if bf16_dot and w.shape[-2] % 2 == 0:
+        pack_one = cpu_ops().pack_weight_bf16_pairs
+    else:
+        pack_one = cpu_ops().pack_weight
+        narrow = w.to(torch.bfloat16)
+        if torch.equal(narrow.to(w.dtype), w):
+            w = narrow
+    packed = pack_one(w) if w.dim() == 2 else torch.stack([pack_one(e) for e in w])
     param = nn.Parameter(packed, requires_grad=False)
     param.out_features = w.shape[-1]
     return param

@@ -110,6 +110,7 @@ class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel | None = None):
         super().__init__()
         self.kernels = False
+        self.decode_weights: list[torch.Tensor] = []  # set by pack_weights where decode_layers can serve
         self.cfg = cfg
         self.parallel = parallel = parallel or Parallel.single()
         tp = parallel.tp
@@ -132,6 +133,8 @@ class Qwen3MoeModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, Hkv, num_blocks, block_size, D]. Returns [T, H]."""
+        if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
+            return self._decode_step(input_ids, positions, kv_cache, meta)
         x, residual = self._embed(input_ids), None
         rope = self.rotary(positions, x.dtype)
         if self.kernels:  # [T, D] tables for the kernel
@@ -139,6 +142,32 @@ class Qwen3MoeModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
         return self.norm.add_forward(x, residual)
+
+    def _decode_step(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of decodes only, every layer in one kernel call (`decode_weights`)."""
+        cfg = self.cfg
+        return cpu_ops().decode_layers(
+            F.embedding(input_ids, self.embed), self.decode_weights, kv_cache,
+            self.rotary.cos[positions], self.rotary.sin_signed[positions],
+            meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight,
+            self.layers[0].attn.num_heads, cfg.rms_norm_eps, self.layers[0].attn.scale,
+            cfg.num_experts_per_tok, cfg.norm_topk_prob,
+        )  # fmt: skip
+
+    def _collect_decode_weights(self) -> list[torch.Tensor]:
+        """The weights `decode_layers` takes, 9 per layer; empty where a layer is not one it runs (tensor
+        or expert parallelism)."""
+        if self.parallel.tp.size > 1 or not all(
+            isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers
+        ):
+            return []
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.attn, layer.mlp
+            router = mlp.router if isinstance(mlp, SparseMoeBlock) else torch.empty(0)
+            out += [layer.input_norm.weight, attn.qkv, attn.q_norm.weight, attn.k_norm.weight, attn.o]
+            out += [layer.post_attn_norm.weight, router, mlp.w13, mlp.w2]
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,19 +178,32 @@ class Qwen3MoeModel(nn.Module):
         return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
 
     def pack_weights(self) -> bool:
-        """Switch to the C++ CPU kernels (float32 on CPU, where they build): weights are repacked in
-        place, so this is one-way. Returns whether the kernels now serve this model."""
+        """Switch to the C++ CPU kernels where they build: weights are repacked in place, so this is
+        one-way. Returns whether the kernels now serve this model.
+
+        A float32 model keeps float32 arithmetic. A bfloat16 model is served by the bf16 dot-product GEMM
+        where the kernels have it (AVX512-BF16): matmul weights and inputs in bf16, float32 accumulation,
+        and everything else (residual stream, norms, attention, KV cache) in float32, so the model's
+        remaining tensors are widened to float32 (exactly). Elsewhere a bf16 model keeps the torch ops.
+        """
         from kvferry.kernels import cpu
 
-        if self.kernels or self.embed.dtype != torch.float32 or self.embed.device.type != "cpu":
+        dtype = self.embed.dtype
+        if self.kernels or self.embed.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return self.kernels
-        if not cpu.load():
+        if not cpu.load() or (dtype == torch.bfloat16 and not cpu.bf16_dot()):
             return False
+        bf16_dot = dtype == torch.bfloat16
         for module in self.modules():
-            for name in getattr(module, "PACKED", ()):
-                setattr(module, name, pack(getattr(module, name)))
+            packed = getattr(module, "PACKED", ())
+            for name, param in module.named_parameters(recurse=False):
+                if name in packed:
+                    setattr(module, name, pack(param, bf16_dot))
+                elif param.dtype != torch.float32:
+                    setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
             if hasattr(module, "kernels"):
                 module.kernels = True
+        self.decode_weights = self._collect_decode_weights()
         return True
 
     @property

@@ -1,4 +1,5 @@
-// kvferry's CPU kernels (float32, AVX2 + FMA): the decode step's hot ops as single calls.
+// kvferry's CPU kernels (float32 activations, AVX2 + FMA; bf16 dot products where the CPU has AVX512-BF16):
+// the decode step's hot ops as single calls.
 //
 // Built on first use by kernels/cpu.py (torch.utils.cpp_extension) and registered as torch.ops.kvferry_cpu.*.
 // Threads come from ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs them too.
@@ -141,12 +142,94 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) { gemm_serial(x, ldx, M, K, w, N, out, ldo, b0, b1); });
 }
 
-// gemm over a packed weight of either storage dtype
+#ifdef KVFERRY_AVX512BF16
+// bf16 dot products (AVX512-BF16): the weight is packed in k pairs, [ceil(N/16), ceil(K/2), 16, 2] bf16, and
+// the activations are rounded to bf16 (round to nearest even), so one vdpbf16ps does 32 multiply-adds into
+// 16 float32 accumulators. Padding k (odd K) and padding columns are zero.
+constexpr int MBW = 8;  // rows per register tile: 8 accumulators + 1 weight + 1 broadcast of 32 zmm
+
+// x [M, K] float32 (row stride ldx) -> xb [M, Kp] bf16 pairs (Kp = K rounded up to even, zero-padded)
+void to_bf16_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xb, int64_t Kp) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* src = x + m * ldx;
+      uint16_t* dst = xb + m * Kp;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+      if (k < Kp) {  // the tail, and the zero that pads an odd K
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+        const __m256bh tail = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
+        _mm256_mask_storeu_epi16(dst + k, (__mmask16)((1u << (Kp - k)) - 1), (__m256i)tail);
+      }
+    }
+  });
+}
+
+// out[m, 0:16] = xb[m, :] . w[:, 0:16] for m < R over Kp/2 k pairs; w: one packed block [Kp/2, 32]
+template <int R>
+inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo, int64_t ncols) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
+  const int64_t pairs = Kp / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]), wv);
+  }
+  const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+void tile_rows_bf16(int64_t rows, const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo,
+                    int64_t ncols) {
+  switch (rows) {
+    case 1: return tile_bf16<1>(xb, Kp, w, out, ldo, ncols);
+    case 2: return tile_bf16<2>(xb, Kp, w, out, ldo, ncols);
+    case 3: return tile_bf16<3>(xb, Kp, w, out, ldo, ncols);
+    case 4: return tile_bf16<4>(xb, Kp, w, out, ldo, ncols);
+    case 5: return tile_bf16<5>(xb, Kp, w, out, ldo, ncols);
+    case 6: return tile_bf16<6>(xb, Kp, w, out, ldo, ncols);
+    case 7: return tile_bf16<7>(xb, Kp, w, out, ldo, ncols);
+    default: return tile_bf16<MBW>(xb, Kp, w, out, ldo, ncols);
+  }
+}
+
+void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t Kp, int64_t N, float* out,
+               int64_t ldo) {
+  std::vector<uint16_t> xb(M * Kp);
+  to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
+  const int64_t nblocks = (N + NB - 1) / NB;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = b0; j < b1; ++j) {
+      const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
+      for (int64_t m0 = 0; m0 < M; m0 += MBW)
+        tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb.data() + m0 * Kp, Kp, w + j * Kp * NB, out + m0 * ldo + j * NB,
+                       ldo, ncols);
+    }
+  });
+}
+#endif
+
+bool is_bf16_pairs(const at::Tensor& w) { return w.size(-1) == 2 * NB; }
+
+// gemm over a packed weight: float32 or bf16-stored [nblocks, K, 16], or bf16 pairs [nblocks, Kp/2, 32]
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* out, int64_t ldo) {
-  if (w.scalar_type() == at::kBFloat16)
+  if (is_bf16_pairs(w)) {
+#ifdef KVFERRY_AVX512BF16
+    gemm_bf16(x, ldx, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), 2 * w.size(-2), N, out, ldo);
+#else
+    TORCH_CHECK(false, "bf16-pair weights need the AVX512-BF16 build of the kernels");
+#endif
+  } else if (w.scalar_type() == at::kBFloat16) {
     gemm(x, ldx, M, K, w.data_ptr<at::BFloat16>(), N, out, ldo);
-  else
+  } else {
     gemm(x, ldx, M, K, w.data_ptr<float>(), N, out, ldo);
+  }
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -263,7 +346,10 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
   auto x = x_.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == NB && w.size(0) * NB >= n, "packed weight shape");
+  const bool pairs = w.dim() == 3 && is_bf16_pairs(w);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == (pairs ? (K + 1) / 2 : K) && (pairs || w.size(2) == NB) &&
+                  w.size(0) * NB >= n,
+              "packed weight shape");
   auto out = at::empty({M, n}, x.options());
   if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w, n, out.data_ptr<float>(), n);
   return out;
@@ -275,6 +361,23 @@ at::Tensor pack_weight(const at::Tensor& w) {
   auto padded = at::zeros({K, nblocks * NB}, w.options());
   padded.narrow(1, 0, N).copy_(w);
   return padded.view({K, nblocks, NB}).transpose(0, 1).contiguous();
+}
+
+// [K, N] -> bf16 pairs [ceil(N/16), ceil(K/2), 32]: element (p, 2c + j) is w[2p + j, 16 b + c] (zero-padded)
+at::Tensor pack_weight_bf16_pairs(const at::Tensor& w) {
+  const int64_t K = w.size(0), N = w.size(1), nblocks = (N + NB - 1) / NB, Kp = (K + 1) / 2 * 2;
+  auto padded = at::zeros({Kp, nblocks * NB}, w.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, K).narrow(1, 0, N).copy_(w);
+  // [Kp/2, 2, nblocks, 16] -> [nblocks, Kp/2, 16, 2]
+  return padded.view({Kp / 2, 2, nblocks, NB}).permute({2, 0, 3, 1}).contiguous().view({nblocks, Kp / 2, 2 * NB});
+}
+
+bool has_bf16_dot() {
+#ifdef KVFERRY_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
 }
 
 // HF RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight
@@ -418,7 +521,9 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   auto x = x_.contiguous();
   auto ids = ids_.to(at::kLong).contiguous();
   auto weights = weights_.to(at::kFloat).contiguous();
-  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0), I = w2.size(2);
+  // w2's K is I (in pairs: I / 2 rows of k pairs; the pairs layout is only made for even K)
+  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0),
+                I = is_bf16_pairs(w2) ? 2 * w2.size(2) : w2.size(2);
   auto out = at::zeros({T, H}, x.options());
   if (T == 0) return out;
   const int64_t *idp = ids.data_ptr<int64_t>();
@@ -449,9 +554,54 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   return out;
 }
 
+// A whole decode step's decoder layers and final norm in one call (every token a decode, one rank, no
+// expert parallelism): the same kernels and ATen ops, in the same order, as the model's Python forward
+// with kernels on, without a Python round trip between them. x [T, H] is the embedded tokens; weights
+// holds 9 tensors per layer: input norm, packed qkv, q norm, k norm, packed o, post-attention norm,
+// router [H, E] (empty for a dense MLP layer), packed w13, packed w2. kv_cache [L, 2, Hkv, blocks, bs, D];
+// cos / sin [T, D]. Returns the final hidden states [T, H].
+at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tensor& kv_cache, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& final_norm,
+                         int64_t num_heads, double eps, double scale, int64_t top_k, bool renormalize) {
+  constexpr int64_t PER_LAYER = 9;
+  const int64_t L = kv_cache.size(0), H = x_.size(1), hkv = kv_cache.size(2), D = kv_cache.size(-1);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "decode_layers: 9 weights per layer");
+  at::Tensor x = x_, residual;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * PER_LAYER;
+    at::Tensor k_cache = kv_cache[l][0], v_cache = kv_cache[l][1];
+    at::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, w[0], eps);
+    } else {
+      h = add_rms_norm(x, residual, w[0], eps);
+    }
+    auto qkv = packed_linear(h, w[1], (num_heads + 2 * hkv) * D);
+    auto qk = qk_norm_rope_store(qkv, w[2], w[3], eps, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets,
+                                 num_heads);
+    auto attn = paged_decode_attention(qk.narrow(1, 0, num_heads), k_cache, v_cache, block_tables, context_lens, scale);
+    h = add_rms_norm(packed_linear(attn, w[4], H), residual, w[5], eps);
+    if (w[6].numel() > 0) {  // MoE: softmax router, top-k, optional renormalisation (model/moe.py's route)
+      auto probs = at::softmax(at::mm(h, w[6]), -1, at::kFloat);
+      auto [top, ids] = at::topk(probs, top_k, -1);
+      if (renormalize) top = top / top.sum(-1, true);
+      x = moe_experts(h, ids, top.to(h.scalar_type()), w[7], w[8], 0);
+    } else {  // dense MLP
+      const int64_t I = is_bf16_pairs(w[8]) ? 2 * w[8].size(1) : w[8].size(1);
+      auto gate_up = packed_linear(h, w[7], 2 * I).chunk(2, -1);
+      x = packed_linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w[8], H);
+    }
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}
+
 TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("pack_weight_bf16_pairs(Tensor w) -> Tensor");
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def(
@@ -461,14 +611,20 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "float scale) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
+  m.def(
+      "decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, Tensor slot_blocks, "
+      "Tensor slot_offsets, Tensor block_tables, Tensor context_lens, Tensor final_norm, int num_heads, float eps, "
+      "float scale, int top_k, bool renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_weight", &pack_weight);
+  m.impl("pack_weight_bf16_pairs", &pack_weight_bf16_pairs);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qk_norm_rope_store", &qk_norm_rope_store);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("moe_experts", &moe_experts);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -108,3 +108,134 @@ def test_moe_experts(tokens, first):
     out = experts_forward(x, ids, weights, pack(w13), pack(w2), first)
     expected = experts_forward(x, ids, weights, w13, w2, first)  # ids outside first..first+3 skipped
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+bf16_dot = pytest.mark.skipif(
+    not cpu.bf16_dot(), reason="the kernels have no bf16 dot product here (AVX512-BF16)"
+)
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to bfloat16 (nearest even), as float32."""
+    return t.bfloat16().float()
+
+
+@bf16_dot
+@pytest.mark.parametrize("m", [0, 1, 3, 8, 9, 40])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (30, 17)])
+def test_bf16_dot_linear(m, k, n):
+    """Weights and activations rounded to bf16, products summed in float32; rows are independent."""
+    x, w = randn(m, k), randn(k, n)
+    packed = pack(w, bf16_dot=True)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-n // 16), k // 2, 32)
+    out = linear(x, packed)
+    torch.testing.assert_close(out, bf16(x) @ bf16(w), rtol=1e-5, atol=1e-4)
+    if m > 1:  # a row's result does not depend on the rows beside it (prefill chunks == decode rows)
+        assert torch.equal(out[-1:], linear(x[-1:], packed))
+
+
+@bf16_dot
+def test_bf16_dot_odd_k_keeps_the_float_layout():
+    x, w = randn(4, 33), randn(33, 20)
+    packed = pack(w, bf16_dot=True)
+    assert packed.shape == (2, 33, 16)  # k pairs need an even K: the widened-bf16 / float32 layout serves
+    torch.testing.assert_close(linear(x, packed), x @ w, rtol=1e-5, atol=1e-4)
+
+
+@bf16_dot
+@pytest.mark.parametrize(("tokens", "first"), [(1, 0), (13, 0), (9, 2)])
+def test_bf16_dot_moe_experts(tokens, first):
+    experts, top_k, hidden, inter = 4, 2, 48, 32
+    x = randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(6, generator=GEN)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=GEN)
+    w13, w2 = randn(experts, hidden, 2 * inter), randn(experts, inter, hidden)
+    out = experts_forward(x, ids, weights, pack(w13, bf16_dot=True), pack(w2, bf16_dot=True), first)
+    # the reference rounds each GEMM's inputs as the kernel does
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(ids[t, j]) - first
+            if 0 <= e < experts:
+                gate, up = (bf16(x[t]) @ bf16(w13[e])).chunk(2)
+                h = torch.nn.functional.silu(gate) * up
+                expected[t] += weights[t, j] * (bf16(h) @ bf16(w2[e]))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+
+
+@bf16_dot
+def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir):
+    """--dtype bfloat16 on an AVX512-BF16 CPU: the kernels serve with bf16 matmuls and a float32 KV cache,
+    under a fingerprint of its own, and its logits stay close to float32 arithmetic on the bf16 weights."""
+    from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+    from kvferry.model.attention import AttentionMetadata, PrefillChunk
+    from kvferry.model.loader import load_model
+
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    )
+    fp32 = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    )
+    assert engine.kernels and engine.dtype == torch.bfloat16 and engine.kv_dtype == torch.float32
+    assert engine.runner.kv_cache.dtype == torch.float32
+    assert engine.fingerprint != fp32.fingerprint
+    reference = load_model(tiny_model_dir, torch.bfloat16).float()  # float32 arithmetic, bf16 weights
+    ids = torch.randint(3, 8000, (40,), generator=GEN)
+    blocks = torch.arange(3)
+    logits = []
+    for model in (engine.model, reference):
+        cfg = model.cfg
+        kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 3, 16, cfg.head_dim)
+        meta = AttentionMetadata.build(
+            [p // 16 for p in range(40)],
+            [p % 16 for p in range(40)],
+            [],
+            [],
+            [PrefillChunk(0, 40, 40, blocks)],
+            kv.device,
+        )
+        logits.append(model.compute_logits(model(ids, torch.arange(40), kv, meta)))
+    ours, theirs = logits
+    assert (ours - theirs).abs().max() <= 0.01 * theirs.abs().max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpoint", ["tiny_model_dir", "second_model_dir"])
+def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dtype):
+    """A decode-only step in one decode_layers call gives bit for bit what the Python forward gives
+    (MoE with and without renormalisation, a dense layer, two sequences of different lengths)."""
+    from kvferry.model.attention import AttentionMetadata, PrefillChunk
+    from kvferry.model.loader import load_model
+
+    if dtype == torch.bfloat16 and not cpu.bf16_dot():
+        pytest.skip("no bf16 dot product here (AVX512-BF16)")
+    model = load_model(request.getfixturevalue(checkpoint), dtype)
+    assert model.pack_weights() and model.decode_weights
+    cfg, bs = model.cfg, 16
+    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 8, bs, cfg.head_dim)
+    lens, tables = [21, 40], [[0, 1], [2, 3, 4]]
+    for n, table in zip(lens, tables, strict=True):  # prefill both prompts into the cache
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=GEN)
+        chunk = PrefillChunk(0, n, n, torch.tensor(table))
+        meta = AttentionMetadata.build(
+            [table[p // bs] for p in range(n)], [p % bs for p in range(n)], [], [], [chunk], kv.device
+        )
+        model(ids, torch.arange(n), kv, meta)
+    step_ids, positions = torch.tensor([5, 77]), torch.tensor(lens)
+    meta = AttentionMetadata.build(
+        [tables[0][21 // bs], tables[1][40 // bs]],
+        [21 % bs, 40 % bs],
+        tables,
+        [n + 1 for n in lens],
+        [],
+        kv.device,
+    )
+    kv_fused = kv.clone()
+    fused = model(step_ids, positions, kv_fused, meta)
+    weights, model.decode_weights = model.decode_weights, []
+    layered = model(step_ids, positions, kv, meta)
+    model.decode_weights = weights
+    assert torch.equal(fused, layered)
+    assert torch.equal(kv_fused, kv)  # the same K/V written to the same slots
