@@ -23,7 +23,13 @@ from kvferry.decode_worker.output import Completion, OutputState, RequestOutput
 from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
-from kvferry.model.config import ModelConfig, ModelConfigError, generation_eos_ids, resolve_dtype
+from kvferry.model.config import (
+    ModelConfig,
+    ModelConfigError,
+    generation_eos_ids,
+    resolve_dtype,
+    runs_cpu_kernels,
+)
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.parallel import Parallel
@@ -107,9 +113,8 @@ class LLMEngine:
         self.model = load_model(
             self.model_dir, self.dtype, self.device, max_positions=self.max_model_len, parallel=parallel
         )
-        self.kernels = cfg.kernels == "auto" and self.model.pack_weights()
-        # the activations' and KV cache's dtype: float32 under the CPU kernels, also for a bf16 model
-        self.kv_dtype = self.model.embed.dtype
+        self.kernels = runs_cpu_kernels(self.dtype, self.device, cfg.kernels) and self.model.pack_weights()
+        self.kv_dtype = self.model.embed.dtype  # == kv_cache_dtype(...): float32 under the kernels
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
             dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)

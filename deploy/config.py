@@ -74,6 +74,26 @@ class WorkerGroupSettings:
     resources: dict = field(default_factory=dict)  # on Ray: one rank's bundle ({} = the default)
 
 
+PLACEMENTS = ("prefill-first", "even")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one worker process runs on a shared host (ClusterConfig.host_placement)."""
+
+    threads: int
+    background: bool = False  # lowest CPU priority: yields the cores to everything else
+    passive_wait: bool = False  # OpenMP threads sleep while they wait instead of spinning
+
+    def env(self) -> dict[str, str]:
+        return {"KVFERRY_NUM_THREADS": str(self.threads)} | (
+            {"OMP_WAIT_POLICY": "PASSIVE"} if self.passive_wait else {}
+        )
+
+    def command(self, argv: list[str]) -> list[str]:
+        return ["nice", "-n", "19", *argv] if self.background else argv
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     model: str = "tiny"
@@ -90,6 +110,8 @@ class ClusterConfig:
     ray: RaySettings = RaySettings()
     # the baseline: decode groups run both phases behind the same router; no prefill workers, no pool
     colocated: bool = False
+    # how `kvferry up` shares one host's cores between worker processes (see host_placement)
+    placement: str = "prefill-first"
 
     def validate(self) -> None:
         for role in ("prefill", "decode"):
@@ -104,6 +126,10 @@ class ClusterConfig:
             raise ClusterConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.ray.max_restarts < 0:
             raise ClusterConfigError(f"ray.max_restarts must be >= 0, got {self.ray.max_restarts}")
+        if self.placement not in PLACEMENTS:
+            raise ClusterConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
         _check_resources("pool.resources", self.pool.resources)
         for role in ("prefill", "decode"):
             for settings in self.groups(role):
@@ -160,6 +186,29 @@ class ClusterConfig:
             for role in self.roles()
             for i, s in enumerate(self.groups(role))
         )
+
+    def host_placement(self, cores: int) -> dict[str, Placement]:
+        """Threads and CPU priority of each role's worker processes when they share one host's `cores`.
+
+        `even`: every worker process gets `cores // processes` threads. `prefill-first` (the default;
+        the same as `even` when colocated): the compute-bound prefill ranks share all the cores, and
+        the decode ranks keep their even share at the lowest CPU priority (nice 19) wherever the two
+        overlap, so TTFT gets the cores and decode — memory-bound, its TPOT SLO far above its step
+        time — runs in what prefill leaves; prefill threads then sleep instead of spinning at a
+        barrier (OMP_WAIT_POLICY=PASSIVE), so a waiting thread hands its core to decode.
+        """
+        even = max(1, cores // self.processes())
+        if self.placement == "even" or self.colocated:
+            return {role: Placement(even) for role in self.roles()}
+        prefill_ranks = sum(
+            s.replicas * self.group_size("prefill", i) for i, s in enumerate(self.groups("prefill"))
+        )
+        prefill = max(1, cores // prefill_ranks)
+        shared = prefill * prefill_ranks + even * (self.processes() - prefill_ranks) > cores
+        return {
+            "prefill": Placement(prefill, passive_wait=shared),
+            "decode": Placement(even, background=shared),
+        }
 
     def roles(self) -> tuple[str, ...]:
         """The worker roles this cluster runs."""

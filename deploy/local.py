@@ -27,7 +27,7 @@ import grpc
 
 from kvferry.deploy.config import ClusterConfig
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
-from kvferry.model.config import ModelConfig, resolve_dtype
+from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.proc import STOP_ORDER, die_with_parent
@@ -92,7 +92,7 @@ class LocalCluster:
     model_dir: Path | None = None
     groups: dict[str, list[Child]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     _names: dict = field(default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
-    _env: dict = field(default_factory=dict)
+    _placement: dict = field(default_factory=dict)
     _tmp: Path | None = None
 
     def _say(self, text: str) -> None:
@@ -143,8 +143,7 @@ class LocalCluster:
 
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
             self._spawn(f"pool-{i}", pool_argv(cfg, model_dir, f"pool-{i}", host, self.redis_url))
-        threads = str(max(1, (os.cpu_count() or 1) // cfg.processes()))
-        self._env = {} if os.environ.get("KVFERRY_NUM_THREADS") else {"KVFERRY_NUM_THREADS": threads}
+        self._placement = cfg.host_placement(os.cpu_count() or 1)
         for role in cfg.roles():
             for index, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
@@ -163,7 +162,11 @@ class LocalCluster:
         name = f"{role}-{next(self._names[role])}"
         cfg = self.cfg
         argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url)
-        child = self._spawn(name, argv, self._env)
+        placement = self._placement[role]
+        env = placement.env()
+        if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
+            del env["KVFERRY_NUM_THREADS"]
+        child = self._spawn(name, placement.command(argv), env)
         child.size = cfg.group_size(role, kind)
         self.groups[role].append(child)
         return child
@@ -348,7 +351,8 @@ def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:
 
 
 def cluster_layout(cfg: ClusterConfig, model_dir: Path) -> BlockLayout:
-    """The pool's block layout: what the workers will compute (same dtype resolution as the engine)."""
+    """The pool's block layout: what the workers will compute (the engine's dtype and KV dtype rules; on
+    CPU this loads the kernels, building them on a machine's first start)."""
     import torch
 
     model_cfg = ModelConfig.from_dir(model_dir)
@@ -358,7 +362,7 @@ def cluster_layout(cfg: ClusterConfig, model_dir: Path) -> BlockLayout:
         if engine.device == "auto"
         else (torch.device(engine.device))
     )
-    dtype = resolve_dtype(cfg.dtype, model_cfg, device)
+    dtype = kv_cache_dtype(resolve_dtype(cfg.dtype, model_cfg, device), device, engine.kernels)
     return BlockLayout(
         model_cfg.num_layers, model_cfg.num_kv_heads, engine.block_size, model_cfg.head_dim, dtype_name(dtype)
     )

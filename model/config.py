@@ -137,3 +137,19 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
     if device.type == "cpu" and native != torch.float32 and not cpu_has_native_bf16():
         return torch.float32
     return native
+
+
+def runs_cpu_kernels(dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> bool:
+    """Whether a model of `dtype` on `device` is served by the C++ CPU kernels (`--kernels auto`): float32
+    where they build, bfloat16 where they also have the bf16 dot product (AVX512-BF16)."""
+    if kernels != "auto" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from kvferry.kernels import cpu
+
+    return cpu.load() and (dtype == torch.float32 or cpu.bf16_dot())
+
+
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> torch.dtype:
+    """The activations' and KV cache's dtype: float32 under the CPU kernels (a bf16 model there keeps
+    its residual stream and KV in float32), else the model's dtype. The pool's block layout uses it."""
+    return torch.float32 if runs_cpu_kernels(dtype, device, kernels) else dtype

@@ -166,50 +166,74 @@ void to_bf16_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* 
   });
 }
 
-// out[m, 0:16] = xb[m, :] . w[:, 0:16] for m < R over Kp/2 k pairs; w: one packed block [Kp/2, 32]
-template <int R>
-inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo, int64_t ncols) {
-  __m512 acc[R];
+// out[m, 16c : 16c + 16] = xb[m, :] . block c for m < R, c < C, over Kp/2 k pairs; the C blocks [Kp/2, 32]
+// follow each other from w. R * C accumulators are R * C independent chains: a decode row (R = 1) runs C = 4
+// blocks at once so that the dot-product latency hides; each output still sums its k pairs in order, so a
+// row's result is the same whatever the tile.
+template <int R, int C>
+inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo, int64_t N) {
+  __m512 acc[R][C];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
-  const int64_t pairs = Kp / 2;
+  const int64_t pairs = Kp / 2, stride = pairs * 32;
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
+    __m512bh wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * stride + p * 32);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]), wv);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
   }
-  const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t ncols = std::min<int64_t>(NB, N - c * NB);  // N counts from this tile's first column
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + c * NB, mask, acc[r][c]);
+  }
 }
 
 void tile_rows_bf16(int64_t rows, const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo,
-                    int64_t ncols) {
+                    int64_t N) {
   switch (rows) {
-    case 1: return tile_bf16<1>(xb, Kp, w, out, ldo, ncols);
-    case 2: return tile_bf16<2>(xb, Kp, w, out, ldo, ncols);
-    case 3: return tile_bf16<3>(xb, Kp, w, out, ldo, ncols);
-    case 4: return tile_bf16<4>(xb, Kp, w, out, ldo, ncols);
-    case 5: return tile_bf16<5>(xb, Kp, w, out, ldo, ncols);
-    case 6: return tile_bf16<6>(xb, Kp, w, out, ldo, ncols);
-    case 7: return tile_bf16<7>(xb, Kp, w, out, ldo, ncols);
-    default: return tile_bf16<MBW>(xb, Kp, w, out, ldo, ncols);
+    case 1: return tile_bf16<1, 1>(xb, Kp, w, out, ldo, N);
+    case 2: return tile_bf16<2, 1>(xb, Kp, w, out, ldo, N);
+    case 3: return tile_bf16<3, 1>(xb, Kp, w, out, ldo, N);
+    case 4: return tile_bf16<4, 1>(xb, Kp, w, out, ldo, N);
+    case 5: return tile_bf16<5, 1>(xb, Kp, w, out, ldo, N);
+    case 6: return tile_bf16<6, 1>(xb, Kp, w, out, ldo, N);
+    case 7: return tile_bf16<7, 1>(xb, Kp, w, out, ldo, N);
+    default: return tile_bf16<MBW, 1>(xb, Kp, w, out, ldo, N);
   }
 }
 
 void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t Kp, int64_t N, float* out,
                int64_t ldo) {
+  constexpr int64_t WIDE = 4;  // column blocks per tile for one or two rows
   std::vector<uint16_t> xb(M * Kp);
   to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
-  const int64_t nblocks = (N + NB - 1) / NB;
+  const int64_t nblocks = (N + NB - 1) / NB, block = Kp * NB;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = b0; j < b1; ++j) {
-      const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
+    for (int64_t j = b0; j < b1;) {
+      const int64_t cols = N - j * NB;
+      if (M <= 2 && j + WIDE <= b1) {
+        if (M == 1)
+          tile_bf16<1, WIDE>(xb.data(), Kp, w + j * block, out + j * NB, ldo, cols);
+        else
+          tile_bf16<2, WIDE>(xb.data(), Kp, w + j * block, out + j * NB, ldo, cols);
+        j += WIDE;
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += MBW)
-        tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb.data() + m0 * Kp, Kp, w + j * Kp * NB, out + m0 * ldo + j * NB,
-                       ldo, ncols);
+        tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb.data() + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB,
+                       ldo, cols);
+      j += 1;
     }
   });
 }

@@ -121,3 +121,35 @@ def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_ta
     assert cfg.groups("prefill")[1].resources == {}
     assert (cfg.ray.max_restarts, cfg.ray.address, cfg.drain_timeout_s) == (3, "auto", 5)
     assert cluster_config_from_dict(cluster_config_to_dict(cfg)) == cfg
+
+
+def test_host_placement():
+    """prefill-first: prefill ranks share every core, decode keeps its even share in the background
+    wherever they overlap; even: cores // processes for all; colocated: the even share."""
+    from dataclasses import replace
+
+    from kvferry.deploy.config import ClusterConfig, Placement
+
+    cfg = ClusterConfig()
+    assert cfg.host_placement(2) == {
+        "prefill": Placement(2, passive_wait=True),
+        "decode": Placement(1, background=True),
+    }
+    assert cfg.host_placement(2)["decode"].command(["python"]) == ["nice", "-n", "19", "python"]
+    assert cfg.host_placement(2)["prefill"].env() == {
+        "KVFERRY_NUM_THREADS": "2",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+    assert replace(cfg, placement="even").host_placement(2) == {
+        "prefill": Placement(1),
+        "decode": Placement(1),
+    }
+    assert replace(cfg, colocated=True).host_placement(2) == {"decode": Placement(2)}
+    tp2 = cluster_config_from_dict({"prefill": {"tensor_parallel_size": 2}, "decode": {"replicas": 2}})
+    assert tp2.host_placement(16) == {
+        "prefill": Placement(8, passive_wait=True),
+        "decode": Placement(4, background=True),
+    }
+    assert tp2.host_placement(1)["decode"] == Placement(1, background=True)
+    with pytest.raises(ClusterConfigError, match="placement must be one of"):
+        cluster_config_from_dict({"placement": "random"})

@@ -239,3 +239,18 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
     model.decode_weights = weights
     assert torch.equal(fused, layered)
     assert torch.equal(kv_fused, kv)  # the same K/V written to the same slots
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, dtype):
+    """The launcher sizes the pool's blocks by the same rule the engine picks its KV dtype with (float32
+    under the CPU kernels, also for a bf16 model): otherwise every KV write-out is refused."""
+    from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+    from kvferry.deploy.config import ClusterConfig
+    from kvferry.deploy.local import cluster_layout
+
+    layout = cluster_layout(ClusterConfig(model=str(tiny_model_dir), dtype=dtype), tiny_model_dir)
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16, max_model_len=256)
+    )
+    assert layout.torch_dtype == engine.kv_dtype == engine.runner.kv_cache.dtype
