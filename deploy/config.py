@@ -83,7 +83,7 @@ class Placement:
 
     threads: int
     background: bool = False  # lowest CPU priority: yields the cores to everything else
-    passive_wait: bool = False  # OpenMP threads sleep while they wait instead of spinning
+    passive_wait: bool = False  # OpenMP threads sleep while they wait at a barrier instead of spinning
 
     def env(self) -> dict[str, str]:
         return {"KVFERRY_NUM_THREADS": str(self.threads)} | (
@@ -194,8 +194,8 @@ class ClusterConfig:
         the same as `even` when colocated): the compute-bound prefill ranks share all the cores, and
         the decode ranks keep their even share at the lowest CPU priority (nice 19) wherever the two
         overlap, so TTFT gets the cores and decode — memory-bound, its TPOT SLO far above its step
-        time — runs in what prefill leaves; prefill threads then sleep instead of spinning at a
-        barrier (OMP_WAIT_POLICY=PASSIVE), so a waiting thread hands its core to decode.
+        time — runs in what prefill leaves; prefill's OpenMP threads then sleep at a barrier instead
+        of spinning (OMP_WAIT_POLICY=PASSIVE), so a waiting thread hands its core to decode.
         """
         even = max(1, cores // self.processes())
         if self.placement == "even" or self.colocated:
