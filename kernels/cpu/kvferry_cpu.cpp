@@ -114,7 +114,8 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
   // bf16 blocks feeding more than one row tile are widened once into a float32 copy (K x 16, cache
   // resident) instead of once per tile: decode (few rows) reads half the bytes, prefill pays no widening
   const bool widen_once = !std::is_same_v<T, float> && M > MB;
-  std::vector<float> wide(widen_once ? K * NB : 0);
+  thread_local std::vector<float> wide;
+  if (widen_once) wide.resize(K * NB);
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
     const T* block = w + j * K * NB;
@@ -148,21 +149,22 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t
 // 16 float32 accumulators. Padding k (odd K) and padding columns are zero.
 constexpr int MBW = 8;  // rows per register tile: 8 accumulators + 1 weight + 1 broadcast of 32 zmm
 
+// one row of float32 -> bf16 (round to nearest even), zero-padded from K to Kp
+inline void row_to_bf16(const float* src, int64_t K, uint16_t* dst, int64_t Kp) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+  if (k < Kp) {  // the tail, and the zero that pads an odd K
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    const __m256bh tail = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
+    _mm256_mask_storeu_epi16(dst + k, (__mmask16)((1u << (Kp - k)) - 1), (__m256i)tail);
+  }
+}
+
 // x [M, K] float32 (row stride ldx) -> xb [M, Kp] bf16 pairs (Kp = K rounded up to even, zero-padded)
 void to_bf16_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xb, int64_t Kp) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* src = x + m * ldx;
-      uint16_t* dst = xb + m * Kp;
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-      if (k < Kp) {  // the tail, and the zero that pads an odd K
-        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
-        const __m256bh tail = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
-        _mm256_mask_storeu_epi16(dst + k, (__mmask16)((1u << (Kp - k)) - 1), (__m256i)tail);
-      }
-    }
+    for (int64_t m = m0; m < m1; ++m) row_to_bf16(x + m * ldx, K, xb + m * Kp, Kp);
   });
 }
 
@@ -213,29 +215,33 @@ void tile_rows_bf16(int64_t rows, const uint16_t* xb, int64_t Kp, const uint16_t
   }
 }
 
+// out [M, N] = xb [M, Kp] (bf16 pairs) @ the pair-packed column blocks b0..b1-1 of w; serial
+void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t* w, int64_t N, float* out, int64_t ldo,
+                      int64_t b0, int64_t b1) {
+  constexpr int64_t WIDE = 4;  // column blocks per tile for one or two rows
+  const int64_t block = Kp * NB;
+  for (int64_t j = b0; j < b1;) {
+    const int64_t cols = N - j * NB;
+    if (M <= 2 && j + WIDE <= b1) {
+      if (M == 1)
+        tile_bf16<1, WIDE>(xb, Kp, w + j * block, out + j * NB, ldo, cols);
+      else
+        tile_bf16<2, WIDE>(xb, Kp, w + j * block, out + j * NB, ldo, cols);
+      j += WIDE;
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MBW)
+      tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB, ldo, cols);
+    j += 1;
+  }
+}
+
 void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t Kp, int64_t N, float* out,
                int64_t ldo) {
-  constexpr int64_t WIDE = 4;  // column blocks per tile for one or two rows
   std::vector<uint16_t> xb(M * Kp);
   to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
-  const int64_t nblocks = (N + NB - 1) / NB, block = Kp * NB;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = b0; j < b1;) {
-      const int64_t cols = N - j * NB;
-      if (M <= 2 && j + WIDE <= b1) {
-        if (M == 1)
-          tile_bf16<1, WIDE>(xb.data(), Kp, w + j * block, out + j * NB, ldo, cols);
-        else
-          tile_bf16<2, WIDE>(xb.data(), Kp, w + j * block, out + j * NB, ldo, cols);
-        j += WIDE;
-        continue;
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += MBW)
-        tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb.data() + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB,
-                       ldo, cols);
-      j += 1;
-    }
-  });
+  at::parallel_for(0, (N + NB - 1) / NB, 1,
+                   [&](int64_t b0, int64_t b1) { gemm_bf16_blocks(xb.data(), Kp, M, w, N, out, ldo, b0, b1); });
 }
 #endif
 
@@ -537,44 +543,122 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 }
 
 // The experts of an MoE layer for the (token, expert) assignments that fall on experts first..first+E-1.
-// x [T, H]; ids, weights [T, k]; w13 packed per expert [E, 2I/16, H, 16]; w2 [E, H/16, I, 16].
-// Returns [T, H] = sum over local assignments of weight * (silu(x W_gate) * (x W_up)) W_2.
+// x [T, H]; ids, weights [T, k]; w13 packed per expert [E, 2I/16, H, 16] (or bf16 pairs [E, 2I/16, H/2, 32]);
+// w2 [E, H/16, I, 16] (or [E, H/16, I/2, 32]). Returns [T, H] = sum over local assignments of
+// weight * (silu(x W_gate) * (x W_up)) W_2, each token's terms added in expert order.
+// Five parallel regions for the whole layer, whatever the number of experts hit: gather (and round to
+// bf16) the rows of every expert; gate/up GEMMs of all experts, split by (expert, column blocks); SiLU*up;
+// down GEMMs likewise; the weighted sum per token. A parallel region costs a thread wake-up each (tens of
+// microseconds when threads sleep between regions), so a layer must not pay four per expert.
 at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& weights_,
                        const at::Tensor& w13, const at::Tensor& w2, int64_t first_expert) {
   check_f32(x_, "x");
   auto x = x_.contiguous();
   auto ids = ids_.to(at::kLong).contiguous();
   auto weights = weights_.to(at::kFloat).contiguous();
-  // w2's K is I (in pairs: I / 2 rows of k pairs; the pairs layout is only made for even K)
+  const bool pairs = is_bf16_pairs(w2);  // the pairs layout is only made for even K, so K == Kp here
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0),
-                I = is_bf16_pairs(w2) ? 2 * w2.size(2) : w2.size(2);
+                I = pairs ? 2 * w2.size(2) : w2.size(2);
   auto out = at::zeros({T, H}, x.options());
-  if (T == 0) return out;
   const int64_t *idp = ids.data_ptr<int64_t>();
-  const float* wtp = weights.data_ptr<float>();
-  std::vector<std::vector<int64_t>> rows(E);  // assignment index (t * k + j) per local expert
+  // local assignments grouped by expert, in assignment order: expert e owns rows start[e]..start[e+1)
+  std::vector<int64_t> start(E + 1, 0), row_of(T * top_k, -1);
   for (int64_t a = 0; a < T * top_k; ++a) {
     const int64_t e = idp[a] - first_expert;
-    if (e >= 0 && e < E) rows[e].push_back(a);
+    if (e >= 0 && e < E) ++start[e + 1];
   }
-  int64_t widest = 0;
-  for (auto& r : rows) widest = std::max<int64_t>(widest, r.size());
-  auto xs = at::empty({widest, H}, x.options()), h13 = at::empty({widest, 2 * I}, x.options()),
-       y = at::empty({widest, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float *xsp = xs.data_ptr<float>(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = rows[e].size();
-    if (n == 0) continue;
-    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + rows[e][r] / top_k * H, H, xsp + r * H);
-    gemm(xsp, H, n, H, w13[e], 2 * I, hp, 2 * I);
-    for (int64_t r = 0; r < n; ++r) silu_mul(hp + r * 2 * I, I);
-    gemm(hp, 2 * I, n, I, w2[e], H, yp, H);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t a = rows[e][r];
-      axpy(wtp[a], yp + r * H, op + a / top_k * H, H);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int64_t total = start[E];
+  if (total == 0) return out;
+  std::vector<int64_t> token_of(total), fill(start.begin(), start.end() - 1), active;
+  for (int64_t a = 0; a < T * top_k; ++a) {
+    const int64_t e = idp[a] - first_expert;
+    if (e >= 0 && e < E) {
+      row_of[a] = fill[e]++;
+      token_of[row_of[a]] = a / top_k;
     }
   }
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t nact = active.size();
+  auto opts = x.options();
+  auto xs = at::empty({total, H}, opts), h13 = at::empty({total, 2 * I}, opts), y = at::empty({total, H}, opts);
+  std::vector<uint16_t> xb(pairs ? total * H : 0), hb(pairs ? total * I : 0);
+  const float* xp = x.data_ptr<float>();
+  float *xsp = xs.data_ptr<float>(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
+
+  // column blocks [b0, b1) of expert e's GEMM: rows start[e].. of `in` (float32, or its bf16 copy `inb`)
+  auto blocks = [&](const at::Tensor& w, int64_t e, const float* in, const uint16_t* inb, int64_t K, int64_t N,
+                    float* dst, int64_t b0, int64_t b1) {
+    const int64_t r0 = start[e], n = start[e + 1] - r0;
+    const at::Tensor we = w[e];
+#ifdef KVFERRY_AVX512BF16
+    if (pairs)
+      return gemm_bf16_blocks(inb + r0 * K, K, n, reinterpret_cast<const uint16_t*>(we.data_ptr<at::BFloat16>()), N,
+                              dst + r0 * N, N, b0, b1);
+#endif
+    TORCH_CHECK(!pairs, "bf16-pair weights need the AVX512-BF16 build of the kernels");
+    if (we.scalar_type() == at::kBFloat16)
+      gemm_serial(in + r0 * K, K, n, K, we.data_ptr<at::BFloat16>(), N, dst + r0 * N, N, b0, b1);
+    else
+      gemm_serial(in + r0 * K, K, n, K, we.data_ptr<float>(), N, dst + r0 * N, N, b0, b1);
+  };
+  // work items: (expert, group of 4 column blocks), experts interleaved so that threads get all of them
+  auto over_experts = [&](int64_t N, auto&& fn) {
+    constexpr int64_t GROUP = 4;
+    const int64_t groups = ((N + NB - 1) / NB + GROUP - 1) / GROUP, nblocks = (N + NB - 1) / NB;
+    at::parallel_for(0, groups * nact, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i / nact, b0 = g * GROUP;
+        fn(active[i % nact], b0, std::min(b0 + GROUP, nblocks));
+      }
+    });
+  };
+  at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+#ifdef KVFERRY_AVX512BF16
+      if (pairs) {
+        row_to_bf16(xp + token_of[r] * H, H, xb.data() + r * H, H);
+        continue;
+      }
+#endif
+      std::copy_n(xp + token_of[r] * H, H, xsp + r * H);
+    }
+  });
+  over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) { blocks(w13, e, xsp, xb.data(), H, 2 * I, hp, b0, b1); });
+  at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      silu_mul(hp + r * 2 * I, I);
+#ifdef KVFERRY_AVX512BF16
+      if (pairs) row_to_bf16(hp + r * 2 * I, I, hb.data() + r * I, I);
+#endif
+    }
+  });
+  // the down projection reads the SiLU*up half of h13 in place (row stride 2I), or its bf16 copy
+  over_experts(H, [&](int64_t e, int64_t b0, int64_t b1) {
+    const int64_t r0 = start[e], n = start[e + 1] - r0;
+    const at::Tensor we = w2[e];
+#ifdef KVFERRY_AVX512BF16
+    if (pairs)
+      return gemm_bf16_blocks(hb.data() + r0 * I, I, n, reinterpret_cast<const uint16_t*>(we.data_ptr<at::BFloat16>()),
+                              H, yp + r0 * H, H, b0, b1);
+#endif
+    if (we.scalar_type() == at::kBFloat16)
+      gemm_serial(hp + r0 * 2 * I, 2 * I, n, I, we.data_ptr<at::BFloat16>(), H, yp + r0 * H, H, b0, b1);
+    else
+      gemm_serial(hp + r0 * 2 * I, 2 * I, n, I, we.data_ptr<float>(), H, yp + r0 * H, H, b0, b1);
+  });
+  const float* wtp = weights.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<std::pair<int64_t, int64_t>> terms;  // (expert, assignment) of one token
+    for (int64_t t = t0; t < t1; ++t) {
+      terms.clear();
+      for (int64_t j = 0; j < top_k; ++j)
+        if (row_of[t * top_k + j] >= 0) terms.emplace_back(idp[t * top_k + j], t * top_k + j);
+      std::sort(terms.begin(), terms.end());
+      for (auto [e, a] : terms) axpy(wtp[a], yp + row_of[a] * H, op + t * H, H);
+    }
+  });
   return out;
 }
 
