@@ -550,12 +550,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 // bf16) the rows of every expert; gate/up GEMMs of all experts, split by (expert, column blocks); SiLU*up;
 // down GEMMs likewise; the weighted sum per token. A parallel region costs a thread wake-up each (tens of
 // microseconds when threads sleep between regions), so a layer must not pay four per expert.
-at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& weights_,
-                       const at::Tensor& w13, const at::Tensor& w2, int64_t first_expert) {
-  check_f32(x_, "x");
-  auto x = x_.contiguous();
-  auto ids = ids_.to(at::kLong).contiguous();
-  auto weights = weights_.to(at::kFloat).contiguous();
+at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
+                     const at::Tensor& w2, int64_t first_expert) {
   const bool pairs = is_bf16_pairs(w2);  // the pairs layout is only made for even K, so K == Kp here
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0),
                 I = pairs ? 2 * w2.size(2) : w2.size(2);
@@ -659,6 +655,26 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
       for (auto [e, a] : terms) axpy(wtp[a], yp + row_of[a] * H, op + t * H, H);
     }
   });
+  return out;
+}
+
+// Tokens go through moe_chunk in chunks, so that the per-row buffers (gathered rows, gate/up, down) stay a
+// few MB and cache-resident however long the prefill step; every token's result is the same either way.
+at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::Tensor& weights_,
+                       const at::Tensor& w13, const at::Tensor& w2, int64_t first_expert) {
+  constexpr int64_t CHUNK = 512;  // tokens
+  check_f32(x_, "x");
+  auto x = x_.contiguous();
+  auto ids = ids_.to(at::kLong).contiguous();
+  auto weights = weights_.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0);
+  if (T <= CHUNK) return moe_chunk(x, ids, weights, w13, w2, first_expert);
+  auto out = at::empty_like(x);
+  for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, T - t0);
+    out.narrow(0, t0, n).copy_(
+        moe_chunk(x.narrow(0, t0, n), ids.narrow(0, t0, n), weights.narrow(0, t0, n), w13, w2, first_expert));
+  }
   return out;
 }
 

@@ -254,3 +254,17 @@ def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, dtype):
         EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16, max_model_len=256)
     )
     assert layout.torch_dtype == engine.kv_dtype == engine.runner.kv_cache.dtype
+
+
+def test_moe_experts_long_step_in_chunks():
+    """A step longer than the kernel's 512-token chunk gives each token what it gets alone."""
+    experts, top_k, hidden, inter, tokens = 4, 2, 32, 16, 1100
+    x = randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts, generator=GEN)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=GEN)
+    w13, w2 = pack(randn(experts, hidden, 2 * inter)), pack(randn(experts, inter, hidden))
+    out = experts_forward(x, ids, weights, w13, w2)
+    for t in (0, 511, 512, 1099):
+        assert torch.equal(
+            out[t : t + 1], experts_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w13, w2)
+        )
