@@ -583,21 +583,21 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   const float* xp = x.data_ptr<float>();
   float *xsp = xs.data_ptr<float>(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
 
-  // column blocks [b0, b1) of expert e's GEMM: rows start[e].. of `in` (float32, or its bf16 copy `inb`)
-  auto blocks = [&](const at::Tensor& w, int64_t e, const float* in, const uint16_t* inb, int64_t K, int64_t N,
-                    float* dst, int64_t b0, int64_t b1) {
+  // column blocks [b0, b1) of expert e's GEMM over its rows start[e]..: float32 input `in` (row stride ld),
+  // or its bf16 copy `inb` (row stride K) for pair-packed weights; expert e's weights sit at w + e * stride(0)
+  auto expert_gemm = [&](const at::Tensor& w, int64_t e, const float* in, int64_t ld, const uint16_t* inb, int64_t K,
+                         int64_t N, float* dst, int64_t b0, int64_t b1) {
     const int64_t r0 = start[e], n = start[e + 1] - r0;
-    const at::Tensor we = w[e];
+    const char* we = static_cast<const char*>(w.data_ptr()) + e * w.stride(0) * w.element_size();
 #ifdef KVFERRY_AVX512BF16
     if (pairs)
-      return gemm_bf16_blocks(inb + r0 * K, K, n, reinterpret_cast<const uint16_t*>(we.data_ptr<at::BFloat16>()), N,
-                              dst + r0 * N, N, b0, b1);
+      return gemm_bf16_blocks(inb + r0 * K, K, n, reinterpret_cast<const uint16_t*>(we), N, dst + r0 * N, N, b0, b1);
 #endif
     TORCH_CHECK(!pairs, "bf16-pair weights need the AVX512-BF16 build of the kernels");
-    if (we.scalar_type() == at::kBFloat16)
-      gemm_serial(in + r0 * K, K, n, K, we.data_ptr<at::BFloat16>(), N, dst + r0 * N, N, b0, b1);
+    if (w.scalar_type() == at::kBFloat16)  // w13 and w2 are each bf16-stored or not on their own
+      gemm_serial(in + r0 * ld, ld, n, K, reinterpret_cast<const at::BFloat16*>(we), N, dst + r0 * N, N, b0, b1);
     else
-      gemm_serial(in + r0 * K, K, n, K, we.data_ptr<float>(), N, dst + r0 * N, N, b0, b1);
+      gemm_serial(in + r0 * ld, ld, n, K, reinterpret_cast<const float*>(we), N, dst + r0 * N, N, b0, b1);
   };
   // work items: (expert, group of 4 column blocks), experts interleaved so that threads get all of them
   auto over_experts = [&](int64_t N, auto&& fn) {
@@ -621,7 +621,9 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
       std::copy_n(xp + token_of[r] * H, H, xsp + r * H);
     }
   });
-  over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) { blocks(w13, e, xsp, xb.data(), H, 2 * I, hp, b0, b1); });
+  over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) {
+    expert_gemm(w13, e, xsp, H, xb.data(), H, 2 * I, hp, b0, b1);
+  });
   at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       silu_mul(hp + r * 2 * I, I);
@@ -632,17 +634,7 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   });
   // the down projection reads the SiLU*up half of h13 in place (row stride 2I), or its bf16 copy
   over_experts(H, [&](int64_t e, int64_t b0, int64_t b1) {
-    const int64_t r0 = start[e], n = start[e + 1] - r0;
-    const at::Tensor we = w2[e];
-#ifdef KVFERRY_AVX512BF16
-    if (pairs)
-      return gemm_bf16_blocks(hb.data() + r0 * I, I, n, reinterpret_cast<const uint16_t*>(we.data_ptr<at::BFloat16>()),
-                              H, yp + r0 * H, H, b0, b1);
-#endif
-    if (we.scalar_type() == at::kBFloat16)
-      gemm_serial(hp + r0 * 2 * I, 2 * I, n, I, we.data_ptr<at::BFloat16>(), H, yp + r0 * H, H, b0, b1);
-    else
-      gemm_serial(hp + r0 * 2 * I, 2 * I, n, I, we.data_ptr<float>(), H, yp + r0 * H, H, b0, b1);
+    expert_gemm(w2, e, hp, 2 * I, hb.data(), I, H, yp, b0, b1);
   });
   const float* wtp = weights.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {

@@ -268,3 +268,13 @@ def test_moe_experts_long_step_in_chunks():
         assert torch.equal(
             out[t : t + 1], experts_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w13, w2)
         )
+
+
+def test_moe_experts_w13_and_w2_stored_differently():
+    """w13 bf16-exact (stored as bf16) next to a float32 w2: each GEMM reads its own storage."""
+    x, ids, weights = randn(3, 32), torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.rand(3, 2, generator=GEN)
+    w13, w2 = randn(2, 32, 32).bfloat16().float(), randn(2, 16, 32)
+    p13, p2 = pack(w13), pack(w2)
+    assert p13.dtype == torch.bfloat16 and p2.dtype == torch.float32
+    out = experts_forward(x, ids, weights, p13, p2)
+    torch.testing.assert_close(out, experts_forward(x, ids, weights, w13, w2), rtol=1e-4, atol=1e-4)
