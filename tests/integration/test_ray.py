@@ -67,7 +67,11 @@ def kv(ray_nodes, tiny_model_dir, tmp_path_factory):
         prefill=WorkerGroupSettings(
             engine={**ENGINE, "tensor_parallel_size": 2}, resources={"CPU": 1, "prefill_node": 1}
         ),
-        decode=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "decode_node": 1}),
+        # torch ops for decode: these tests time requests against actor kills, scaling and heartbeats,
+        # and under the C++ kernels the tiny model decodes 400 tokens in ~0.2 s, less than a heartbeat
+        decode=WorkerGroupSettings(
+            engine={**ENGINE, "kernels": "torch"}, resources={"CPU": 1, "decode_node": 1}
+        ),
         drain_timeout_s=60,
         ray=RaySettings(max_restarts=3, log_dir=str(tmp_path_factory.mktemp("ray-logs"))),
     )

@@ -98,13 +98,18 @@ def test_paged_decode_attention(hq, hkv, d, lens):
     torch.testing.assert_close(out.view_as(expected), expected, rtol=1e-5, atol=1e-5)
 
 
+def moe_inputs(tokens: int, experts: int = 4, hidden: int = 48, inter: int = 32, id_range: int = 6):
+    """x [T, H], top-2 ids drawn from 0..id_range-1 (beyond `experts`: someone else's), router weights,
+    and unpacked w13 [E, H, 2I] / w2 [E, I, H]."""
+    x = randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(id_range, generator=GEN)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=GEN)
+    return x, ids, weights, randn(experts, hidden, 2 * inter), randn(experts, inter, hidden)
+
+
 @pytest.mark.parametrize(("tokens", "first"), [(1, 0), (3, 0), (40, 0), (9, 2)])
 def test_moe_experts(tokens, first):
-    experts, top_k, hidden, inter = 4, 2, 48, 32
-    x = randn(tokens, hidden)
-    ids = torch.stack([torch.randperm(6, generator=GEN)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=GEN)
-    w13, w2 = randn(experts, hidden, 2 * inter), randn(experts, inter, hidden)
+    x, ids, weights, w13, w2 = moe_inputs(tokens)
     out = experts_forward(x, ids, weights, pack(w13), pack(w2), first)
     expected = experts_forward(x, ids, weights, w13, w2, first)  # ids outside first..first+3 skipped
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -145,18 +150,14 @@ def test_bf16_dot_odd_k_keeps_the_float_layout():
 @bf16_dot
 @pytest.mark.parametrize(("tokens", "first"), [(1, 0), (13, 0), (9, 2)])
 def test_bf16_dot_moe_experts(tokens, first):
-    experts, top_k, hidden, inter = 4, 2, 48, 32
-    x = randn(tokens, hidden)
-    ids = torch.stack([torch.randperm(6, generator=GEN)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=GEN)
-    w13, w2 = randn(experts, hidden, 2 * inter), randn(experts, inter, hidden)
+    x, ids, weights, w13, w2 = moe_inputs(tokens)
     out = experts_forward(x, ids, weights, pack(w13, bf16_dot=True), pack(w2, bf16_dot=True), first)
     # the reference rounds each GEMM's inputs as the kernel does
     expected = torch.zeros_like(x)
     for t in range(tokens):
-        for j in range(top_k):
+        for j in range(2):
             e = int(ids[t, j]) - first
-            if 0 <= e < experts:
+            if 0 <= e < len(w13):
                 gate, up = (bf16(x[t]) @ bf16(w13[e])).chunk(2)
                 h = torch.nn.functional.silu(gate) * up
                 expected[t] += weights[t, j] * (bf16(h) @ bf16(w2[e]))
@@ -258,11 +259,8 @@ def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, dtype):
 
 def test_moe_experts_long_step_in_chunks():
     """A step longer than the kernel's 512-token chunk gives each token what it gets alone."""
-    experts, top_k, hidden, inter, tokens = 4, 2, 32, 16, 1100
-    x = randn(tokens, hidden)
-    ids = torch.stack([torch.randperm(experts, generator=GEN)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=GEN)
-    w13, w2 = pack(randn(experts, hidden, 2 * inter)), pack(randn(experts, inter, hidden))
+    x, ids, weights, w13, w2 = moe_inputs(1100, hidden=32, inter=16, id_range=4)
+    w13, w2 = pack(w13), pack(w2)
     out = experts_forward(x, ids, weights, w13, w2)
     for t in (0, 511, 512, 1099):
         assert torch.equal(
