@@ -137,12 +137,6 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
   }
 }
 
-template <typename T>
-void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N, float* out, int64_t ldo) {
-  const int64_t nblocks = (N + NB - 1) / NB;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) { gemm_serial(x, ldx, M, K, w, N, out, ldo, b0, b1); });
-}
-
 #ifdef KVFERRY_AVX512BF16
 // bf16 dot products (AVX512-BF16): the weight is packed in k pairs, [ceil(N/16), ceil(K/2), 16, 2] bf16, and
 // the activations are rounded to bf16 (round to nearest even), so one vdpbf16ps does 32 multiply-adds into
@@ -236,30 +230,54 @@ void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t*
   }
 }
 
-void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t Kp, int64_t N, float* out,
-               int64_t ldo) {
-  std::vector<uint16_t> xb(M * Kp);
-  to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
-  at::parallel_for(0, (N + NB - 1) / NB, 1,
-                   [&](int64_t b0, int64_t b1) { gemm_bf16_blocks(xb.data(), Kp, M, w, N, out, ldo, b0, b1); });
-}
 #endif
 
 bool is_bf16_pairs(const at::Tensor& w) { return w.size(-1) == 2 * NB; }
 
-// gemm over a packed weight: float32 or bf16-stored [nblocks, K, 16], or bf16 pairs [nblocks, Kp/2, 32]
-void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* out, int64_t ldo) {
-  if (is_bf16_pairs(w)) {
+// K of a packed weight (for bf16 pairs: K rounded up to even)
+int64_t packed_k(const at::Tensor& w) { return is_bf16_pairs(w) ? 2 * w.size(-2) : w.size(-2); }
+
+// Where a packed weight's data starts (`expert`: that expert of a packed stack [E, ...]) and how it is stored;
+// the one place that tells the layouts apart.
+struct Packed {
+  const void* data;
+  bool pairs, bf16;
+  explicit Packed(const at::Tensor& w, int64_t expert = 0)
+      : data(static_cast<const char*>(w.data_ptr()) + expert * w.stride(0) * w.element_size()),
+        pairs(is_bf16_pairs(w)),
+        bf16(w.scalar_type() == at::kBFloat16) {}
+};
+
+// column blocks [b0, b1) of out [M, N] (row stride ldo) = input [M, K] @ w; serial. The input is x
+// (float32, row stride ldx), or for bf16-pair weights its bf16 copy xb (row stride K, K even)
+void gemm_blocks(const Packed& w, const float* x, int64_t ldx, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
+                 float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  if (w.pairs) {
 #ifdef KVFERRY_AVX512BF16
-    gemm_bf16(x, ldx, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), 2 * w.size(-2), N, out, ldo);
+    return gemm_bf16_blocks(xb, K, M, static_cast<const uint16_t*>(w.data), N, out, ldo, b0, b1);
 #else
     TORCH_CHECK(false, "bf16-pair weights need the AVX512-BF16 build of the kernels");
 #endif
-  } else if (w.scalar_type() == at::kBFloat16) {
-    gemm(x, ldx, M, K, w.data_ptr<at::BFloat16>(), N, out, ldo);
-  } else {
-    gemm(x, ldx, M, K, w.data_ptr<float>(), N, out, ldo);
   }
+  if (w.bf16)
+    gemm_serial(x, ldx, M, K, static_cast<const at::BFloat16*>(w.data), N, out, ldo, b0, b1);
+  else
+    gemm_serial(x, ldx, M, K, static_cast<const float*>(w.data), N, out, ldo, b0, b1);
+}
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ a packed weight of any layout; threads split the
+// column blocks (bf16-pair weights first round x to bf16)
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, int64_t N, float* out,
+          int64_t ldo) {
+  const Packed w(weight);
+  const int64_t Kp = packed_k(weight);
+  std::vector<uint16_t> xb(w.pairs ? M * Kp : 0);
+#ifdef KVFERRY_AVX512BF16
+  if (w.pairs) to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
+#endif
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    gemm_blocks(w, x, ldx, xb.data(), M, w.pairs ? Kp : K, N, out, ldo, b0, b1);
+  });
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -553,8 +571,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
                      const at::Tensor& w2, int64_t first_expert) {
   const bool pairs = is_bf16_pairs(w2);  // the pairs layout is only made for even K, so K == Kp here
-  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0),
-                I = pairs ? 2 * w2.size(2) : w2.size(2);
+  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0), I = packed_k(w2);
   auto out = at::zeros({T, H}, x.options());
   const int64_t *idp = ids.data_ptr<int64_t>();
   // local assignments grouped by expert, in assignment order: expert e owns rows start[e]..start[e+1)
@@ -578,26 +595,21 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     if (start[e + 1] > start[e]) active.push_back(e);
   const int64_t nact = active.size();
   auto opts = x.options();
-  auto xs = at::empty({total, H}, opts), h13 = at::empty({total, 2 * I}, opts), y = at::empty({total, H}, opts);
+  // gathered rows: float32, or their bf16 copies for pair-packed weights
+  std::vector<float> xs(pairs ? 0 : total * H);
   std::vector<uint16_t> xb(pairs ? total * H : 0), hb(pairs ? total * I : 0);
+  auto h13 = at::empty({total, 2 * I}, opts), y = at::empty({total, H}, opts);
   const float* xp = x.data_ptr<float>();
-  float *xsp = xs.data_ptr<float>(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
+  float *xsp = xs.data(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
 
   // column blocks [b0, b1) of expert e's GEMM over its rows start[e]..: float32 input `in` (row stride ld),
-  // or its bf16 copy `inb` (row stride K) for pair-packed weights; expert e's weights sit at w + e * stride(0)
+  // or its bf16 copy `inb` (row stride K) for pair-packed weights
   auto expert_gemm = [&](const at::Tensor& w, int64_t e, const float* in, int64_t ld, const uint16_t* inb, int64_t K,
                          int64_t N, float* dst, int64_t b0, int64_t b1) {
-    const int64_t r0 = start[e], n = start[e + 1] - r0;
-    const char* we = static_cast<const char*>(w.data_ptr()) + e * w.stride(0) * w.element_size();
-#ifdef KVFERRY_AVX512BF16
-    if (pairs)
-      return gemm_bf16_blocks(inb + r0 * K, K, n, reinterpret_cast<const uint16_t*>(we), N, dst + r0 * N, N, b0, b1);
-#endif
-    TORCH_CHECK(!pairs, "bf16-pair weights need the AVX512-BF16 build of the kernels");
-    if (w.scalar_type() == at::kBFloat16)  // w13 and w2 are each bf16-stored or not on their own
-      gemm_serial(in + r0 * ld, ld, n, K, reinterpret_cast<const at::BFloat16*>(we), N, dst + r0 * N, N, b0, b1);
-    else
-      gemm_serial(in + r0 * ld, ld, n, K, reinterpret_cast<const float*>(we), N, dst + r0 * N, N, b0, b1);
+    const int64_t r0 = start[e];
+    const Packed pw(w, e);
+    gemm_blocks(pw, pw.pairs ? nullptr : in + r0 * ld, ld, pw.pairs ? inb + r0 * K : nullptr, start[e + 1] - r0, K, N,
+                dst + r0 * N, N, b0, b1);
   };
   // work items: (expert, group of 4 column blocks), experts interleaved so that threads get all of them
   auto over_experts = [&](int64_t N, auto&& fn) {
@@ -705,7 +717,7 @@ at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tenso
       if (renormalize) top = top / top.sum(-1, true);
       x = moe_experts(h, ids, top.to(h.scalar_type()), w[7], w[8], 0);
     } else {  // dense MLP
-      const int64_t I = is_bf16_pairs(w[8]) ? 2 * w[8].size(1) : w[8].size(1);
+      const int64_t I = packed_k(w[8]);
       auto gate_up = packed_linear(h, w[7], 2 * I).chunk(2, -1);
       x = packed_linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w[8], H);
     }
