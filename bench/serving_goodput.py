@@ -9,7 +9,8 @@ the launcher's thread placement), then for every target:
 OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png with every target on
 the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
 
-    python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--out DIR]
+    python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--prefill-replicas N]
+                                    [--out DIR]
 
 `../shared/peers/README.md` says how vLLM's CPU wheel installs and starts beside kvferry.
 """
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,10 +65,12 @@ def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
     return {"ttft_ms": round(statistics.median(ttfts), 1), "tpot_ms": round(statistics.median(tpots), 2)}
 
 
-def start(model: str, colocated: bool, log_dir: Path) -> LocalCluster:
+def start(model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1) -> LocalCluster:
     router = RouterSettings(port=0, http_port=0)
     namespace = "colocated" if colocated else "disagg"
     cfg = ClusterConfig(model=model, namespace=namespace, router=router, colocated=colocated)
+    if not colocated:
+        cfg = replace(cfg, prefill=replace(cfg.groups("prefill")[0], replicas=prefill_replicas))
     cluster = LocalCluster(cfg, log_dir=log_dir, quiet=True)
     cluster.start()
     return cluster
@@ -79,13 +83,20 @@ def main() -> None:
     ap.add_argument("--model", default="bench")
     ap.add_argument("--vllm", default="", help="http://HOST:PORT of a vLLM (or any OpenAI-compatible) server")
     ap.add_argument("--c1-requests", type=int, default=5)
+    ap.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=1,
+        help="prefill workers of the disaggregated cluster (each gets cores // replicas threads)",
+    )
     for action in ap._actions:
         if action.dest in ("target", "slo_ttft", "slo_tpot", "out"):
             action.required = False
     args = ap.parse_args()
     args.out = args.out or Path("serving-goodput")
     model = str(bench_model_dir(args.model))
-    clusters = [start(model, colocated, args.out / "logs" / name) for name, colocated in
+    logs = args.out / "logs"
+    clusters = [start(model, colocated, logs / name, args.prefill_replicas) for name, colocated in
                 (("disagg", False), ("colocated", True))]  # fmt: skip
     try:
         urls = {"kvferry": clusters[0].http_url, "colocated": clusters[1].http_url}
@@ -104,6 +115,7 @@ def main() -> None:
     good = {label: report["targets"][label]["goodput"] for label in urls}
     result = {
         "model": Path(model).name,
+        "prefill_replicas": args.prefill_replicas,
         "slo": report["slo"],
         "rates": args.rates,
         "kvferry_goodput": good["kvferry"],

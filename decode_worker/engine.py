@@ -55,6 +55,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # a prefill group's degree (ranks are separate processes)
     expert_parallel_size: int = 1  # a decode group's degree
     kernels: str = "auto"  # auto: the C++ CPU kernels for float32 on CPU where they build; torch: plain ops
+    # a decode worker's engine loop steps at most once per this interval while 4 or more requests run
+    # (serving.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
+    decode_step_interval_ms: float | None = None
 
     def validate(self) -> None:
         for name in (
@@ -72,6 +75,10 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             choices = ", ".join(KERNEL_CHOICES)
             raise EngineConfigError(f"kernels must be one of {choices}, got {self.kernels!r}")
+        if self.decode_step_interval_ms is not None and not 0 <= self.decode_step_interval_ms <= 1000:
+            raise EngineConfigError(
+                f"decode_step_interval_ms must be in [0, 1000], got {self.decode_step_interval_ms}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:

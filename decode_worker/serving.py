@@ -31,14 +31,26 @@ from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.model.parallel import Comm, Parallel, init_group
+from kvferry.proc import die_with_parent, settle_heap
 from kvferry.rpc import Heartbeat, hard_exit, service_names, set_serving, start_server
 from kvferry.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 
+PACE_MIN_RUNNING = 4  # requests running before decode_step_interval_ms paces the steps
+
+
 class EngineLoop(threading.Thread):
-    """Runs `engine.step()` while there is work; runs submitted closures between steps."""
+    """Runs `engine.step()` while there is work; runs submitted closures between steps.
+
+    Pacing (`step_interval_ms`, a decode worker's EngineConfig.decode_step_interval_ms): with PACE_MIN_RUNNING or more requests running, a
+    step starts no sooner than the interval after the previous one. A decode step's cost is mostly the
+    weights it reads, whatever its batch, so a slower cadence carries more tokens per step (Little's
+    law: the batch grows with the time a request stays) for the same reads, and the time between steps
+    goes to the processes that share the cores (prefill, on one host). Fewer running requests (one
+    stream alone) step at full speed.
+    """
 
     def __init__(
         self,
@@ -47,6 +59,7 @@ class EngineLoop(threading.Thread):
         idle_hook: Callable[[], bool] | None = None,
         on_error: Callable[[Exception], None] | None = None,
         sync: Callable[[bool], bool] | None = None,
+        step_interval_ms: float | None = None,
     ):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -60,6 +73,8 @@ class EngineLoop(threading.Thread):
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopped = threading.Event()
+        self.step_interval_s = (step_interval_ms or 0.0) / 1e3  # pacing (see the class docstring)
+        self.last_step = 0.0
 
     def submit(self, fn: Callable[[], None]) -> None:
         self.inbox.put(fn)
@@ -87,6 +102,7 @@ class EngineLoop(threading.Thread):
                     log.exception("the worker group's lock-step sync failed; exiting")
                     hard_exit(1)
             if busy:
+                self._pace()
                 try:
                     outputs = self.engine.step(join=self.sync is not None)
                 except Exception as err:
@@ -101,6 +117,13 @@ class EngineLoop(threading.Thread):
             elif not ran:
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
+
+    def _pace(self) -> None:
+        if self.step_interval_s and len(self.engine.scheduler.running) >= PACE_MIN_RUNNING:
+            left = self.last_step + self.step_interval_s - time.perf_counter()
+            if left > 0:
+                self.stopped.wait(left)
+        self.last_step = time.perf_counter()
 
     def _drain(self) -> bool:
         ran = False
@@ -288,7 +311,6 @@ def form_group(
 ) -> tuple[Group, EngineConfig]:
     """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
     from kvferry.deploy.local import free_port
-    from kvferry.proc import die_with_parent
 
     size = cfg.tensor_parallel_size * cfg.expert_parallel_size
     if size == 1:
@@ -397,6 +419,7 @@ def run_worker(
     servicer.start()
     heartbeat.beat()
     heartbeat.start()
+    settle_heap()
     set_serving(health, names)
     log.info("%s worker %s serving on %s", role, worker_id, addr)
     stop.wait()

@@ -64,6 +64,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             idle_hook=self._admit_waiting,
             on_error=self._fail_all,
             sync=self.lockstep,
+            step_interval_ms=engine.cfg.decode_step_interval_ms,
         )
         if self.lockstep is not None:
             self.lockstep.on_group_stop = self._group_stopped

@@ -163,6 +163,8 @@ class LocalCluster:
         cfg = self.cfg
         argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url)
         placement = self._placement[role]
+        if placement.step_interval_ms and cfg.engine_config(role, kind).decode_step_interval_ms is None:
+            argv += ["--decode-step-interval-ms", str(placement.step_interval_ms)]
         env = placement.env()
         if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
             del env["KVFERRY_NUM_THREADS"]

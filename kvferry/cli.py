@@ -105,6 +105,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expert-parallel-size", type=int, default=d.expert_parallel_size, help="ranks of a decode group"
     )
+    p.add_argument(
+        "--decode-step-interval-ms",
+        type=float,
+        default=d.decode_step_interval_ms,
+        help="decode workers: step at most once per this interval while 4 or more requests run (bigger "
+        "decode batches for the same weight reads; the spare time goes to whatever shares the cores)",
+    )
 
 
 def engine_config_from(args) -> EngineConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 
@@ -32,3 +33,16 @@ def die_with_parent(sig: int = signal.SIGTERM):
             os._exit(1)
 
     return preexec
+
+
+def settle_heap(young_threshold: int = 50_000) -> None:
+    """Call once a server has started (model loaded, servers bound): the objects alive now move out of
+    the cyclic garbage collector's reach (`gc.freeze`), and it looks at new objects less often.
+
+    A serving loop makes thousands of short-lived objects per second (protobuf messages, token lists,
+    futures), which reference counting frees at once. With the default threshold (700) the collector
+    still ran every few decode steps and walked every tracked object in the process, the model's and
+    libraries' included: 3-5% of a decode worker's CPU in a profile under load."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(young_threshold, 20, 20)

@@ -18,7 +18,7 @@ import math
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -32,6 +32,7 @@ from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
+from kvferry.proc import settle_heap
 from kvferry.router.directory import Directory, Member
 from kvferry.router.metrics import RequestTrack, RouterMetrics
 from kvferry.rpc import CHANNEL_OPTIONS, hard_exit, service_names
@@ -465,7 +466,7 @@ def _relay_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
     )
 
 
-async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
+async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> None:
     router = Router(cfg)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     generate_pb2_grpc.add_GenerationServicer_to_server(router, server)
@@ -493,6 +494,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
 
     tracker = asyncio.create_task(track_health())
     http = await start_http(router, cfg.host, cfg.http_port) if cfg.http_port is not None else None
+    if on_started is not None:
+        on_started()
     await stop.wait()
     tracker.cancel()
     for name in ("", *names):
@@ -589,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, stop)
+        await serve(cfg, stop, on_started=settle_heap)
 
     asyncio.run(run())
     hard_exit(0)

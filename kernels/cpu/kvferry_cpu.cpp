@@ -209,25 +209,38 @@ void tile_rows_bf16(int64_t rows, const uint16_t* xb, int64_t Kp, const uint16_t
   }
 }
 
-// out [M, N] = xb [M, Kp] (bf16 pairs) @ the pair-packed column blocks b0..b1-1 of w; serial
+// column blocks [b0, b1) for R <= 8 rows: C blocks per tile (R * C accumulator chains: enough independent
+// dot products in flight to hide their latency, and C weight streams read at once)
+template <int R>
+void few_rows_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t N, float* out, int64_t ldo, int64_t b0,
+                   int64_t b1) {
+  constexpr int C = R <= 4 ? 4 : 2;
+  const int64_t block = Kp * NB;
+  int64_t j = b0;
+  for (; j + C <= b1; j += C) tile_bf16<R, C>(xb, Kp, w + j * block, out + j * NB, ldo, N - j * NB);
+  for (; j < b1; ++j) tile_bf16<R, 1>(xb, Kp, w + j * block, out + j * NB, ldo, N - j * NB);
+}
+
+// out [M, N] = xb [M, Kp] (bf16 pairs) @ the pair-packed column blocks b0..b1-1 of w; serial. Up to 8 rows:
+// wide tiles; more: 8-row tiles one block at a time, all row tiles over a block while it sits in L1.
 void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t* w, int64_t N, float* out, int64_t ldo,
                       int64_t b0, int64_t b1) {
-  constexpr int64_t WIDE = 4;  // column blocks per tile for one or two rows
-  const int64_t block = Kp * NB;
-  for (int64_t j = b0; j < b1;) {
-    const int64_t cols = N - j * NB;
-    if (M <= 2 && j + WIDE <= b1) {
-      if (M == 1)
-        tile_bf16<1, WIDE>(xb, Kp, w + j * block, out + j * NB, ldo, cols);
-      else
-        tile_bf16<2, WIDE>(xb, Kp, w + j * block, out + j * NB, ldo, cols);
-      j += WIDE;
-      continue;
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MBW)
-      tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB, ldo, cols);
-    j += 1;
+  switch (M) {
+    case 1: return few_rows_bf16<1>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 2: return few_rows_bf16<2>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 3: return few_rows_bf16<3>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 4: return few_rows_bf16<4>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 5: return few_rows_bf16<5>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 6: return few_rows_bf16<6>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 7: return few_rows_bf16<7>(xb, Kp, w, N, out, ldo, b0, b1);
+    case 8: return few_rows_bf16<8>(xb, Kp, w, N, out, ldo, b0, b1);
+    default: break;
   }
+  const int64_t block = Kp * NB;
+  for (int64_t j = b0; j < b1; ++j)
+    for (int64_t m0 = 0; m0 < M; m0 += MBW)
+      tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB, ldo,
+                     N - j * NB);
 }
 
 #endif
@@ -382,6 +395,142 @@ inline void prefetch_block(const float* k, const float* v, int64_t offset, int64
   }
 }
 
+#ifdef KVFERRY_AVX512BF16
+// AVX-512 decode attention (this build's CPUs have AVX-512F): D a multiple of 16 up to 128, DV = D / 16
+// registers per row. Same two passes as the AVX2 kernel below, with the partial sums kept in registers.
+
+// e^x for 16 lanes (exp8's polynomial and clamp)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+}
+
+// lane i = the horizontal sum of v[i], i < 16: a transpose-and-add tree (30 shuffles and 15 adds for 16 sums)
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [v2i, v2i+1, v2i, v2i+1] partial sums
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // chunk c of b[j]: sources 4j..4j+3, summed over chunk c of each
+    b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // chunk j of the result: the four chunks of b[j] added
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[g * ld + t] = q_g . k_t for the n <= 16 rows rows[0..n) and the G query heads q [G, D]
+template <int DV>
+inline void scores16(const float* q, int64_t G, const float* const* rows, int64_t n, float* s, int64_t ld) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[DV], acc[16];
+    for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + g * DV * 16 + c * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[i]));
+      for (int c = 1; c < DV; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[i] + c * 16), acc[i]);
+    }
+    _mm512_mask_storeu_ps(s + g * ld, (__mmask16)((1u << n) - 1), hsum16(acc));
+  }
+}
+
+// out [GC, D] = inv_g * sum_t p[g * ld + t] v_t for GC query heads (GC * DV accumulators in registers)
+template <int DV, int GC>
+inline void weighted_rows(const float* p, int64_t ld, const float* vc, const int64_t* row_offsets, int64_t len,
+                          const float* inv, float* out) {
+  __m512 acc[GC][DV];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = vc + row_offsets[t];
+    __m512 vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + c * 16);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * ld + t]);
+      for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * DV * 16 + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+template <int DV>
+void weighted_heads(const float* p, int64_t ld, const float* vc, const int64_t* row_offsets, int64_t len,
+                    const float* inv, int64_t G, float* out) {
+  constexpr int64_t MAXG = 16 / DV;  // heads per pass: at most 16 accumulators
+  for (int64_t g = 0; g < G;) {
+    const int64_t n = std::min(G - g, MAXG), D = DV * 16;
+    float* o = out + g * D;
+    if (n >= 8 && MAXG >= 8) {
+      weighted_rows<DV, (MAXG >= 8 ? 8 : 1)>(p + g * ld, ld, vc, row_offsets, len, inv + g, o);
+      g += 8;
+    } else if (n >= 4 && MAXG >= 4) {
+      weighted_rows<DV, (MAXG >= 4 ? 4 : 1)>(p + g * ld, ld, vc, row_offsets, len, inv + g, o);
+      g += 4;
+    } else if (n >= 2) {
+      weighted_rows<DV, 2>(p + g * ld, ld, vc, row_offsets, len, inv + g, o);
+      g += 2;
+    } else {
+      weighted_rows<DV, 1>(p + g * ld, ld, vc, row_offsets, len, inv + g, o);
+      g += 1;
+    }
+  }
+}
+
+// One (sequence, KV head) of paged_decode_attention: q [G, D] (the heads that read KV head h); offsets [len]
+// is each cached row's float offset within the K (and V) cache. scratch holds G * ceil16(len) scores.
+template <int DV>
+void attend_avx512(const float* q, int64_t G, const float* kc, const float* vc, const int64_t* offsets, int64_t len,
+                   float scale, float* scores, float* out) {
+  const int64_t ld = (len + 15) / 16 * 16;
+  const float* rows[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t)  // the next rows, while these are computed
+      for (int c = 0; c < DV; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + offsets[t] + c * 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + offsets[t] + c * 16), _MM_HINT_T1);
+      }
+    for (int64_t i = 0; i < 16; ++i) rows[i] = kc + offsets[t0 + std::min(i, n - 1)];
+    scores16<DV>(q, G, rows, n, scores + t0, ld);
+  }
+  float inv[128];  // G <= 128 query heads per KV head (checked by the caller)
+  const __mmask16 tail = (__mmask16)((1u << (len % 16 ? len % 16 : 16)) - 1);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * ld;
+    __m512 peak = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < ld; t += 16)
+      peak = _mm512_mask_max_ps(peak, t + 16 < ld ? 0xFFFF : tail, peak, _mm512_loadu_ps(s + t));
+    const float m = _mm512_reduce_max_ps(peak);
+    const __m512 vs = _mm512_set1_ps(scale), vp = _mm512_set1_ps(m * scale);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ld; t += 16) {
+      const __mmask16 mask = t + 16 < ld ? 0xFFFF : tail;
+      const __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, s + t), vs, vp));
+      _mm512_mask_storeu_ps(s + t, mask, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  weighted_heads<DV>(scores, ld, vc, offsets, len, inv, G, out);
+}
+#endif
+
 float rms_scale(const float* x, int64_t n, double eps) {
   return 1.f / std::sqrt(dot(x, x, n) / n + static_cast<float>(eps));
 }
@@ -526,6 +675,37 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
   const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+#ifdef KVFERRY_AVX512BF16
+  const int64_t DV = D / 16;
+  if (D % 16 == 0 && (DV == 1 || DV == 2 || DV == 4 || DV == 8) && group <= 128) {
+    at::parallel_for(0, B * hkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores;
+      std::vector<int64_t> offsets;
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t b = item / hkv, h = item % hkv, len = std::min(lens[b], W * bs);
+        offsets.resize(len);
+        for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, ++j) {
+          const int64_t base = (h * num_blocks + bt[b * W + j]) * bs * D;
+          for (int64_t t = t0; t < std::min(t0 + bs, len); ++t) offsets[t] = base + (t - t0) * D;
+        }
+        scores.resize(group * ((len + 15) / 16 * 16));
+        const float* qb = qp + (b * hq + h * group) * D;
+        float* ob = op + (b * hq + h * group) * D;
+        if (len == 0) {
+          std::fill(ob, ob + group * D, 0.f);
+          continue;
+        }
+        switch (DV) {
+          case 1: attend_avx512<1>(qb, group, kc, vc, offsets.data(), len, fscale, scores.data(), ob); break;
+          case 2: attend_avx512<2>(qb, group, kc, vc, offsets.data(), len, fscale, scores.data(), ob); break;
+          case 4: attend_avx512<4>(qb, group, kc, vc, offsets.data(), len, fscale, scores.data(), ob); break;
+          default: attend_avx512<8>(qb, group, kc, vc, offsets.data(), len, fscale, scores.data(), ob); break;
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, B * hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, acc(group * D);
     for (int64_t item = i0; item < i1; ++item) {

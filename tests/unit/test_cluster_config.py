@@ -133,7 +133,7 @@ def test_host_placement():
     cfg = ClusterConfig()
     assert cfg.host_placement(2) == {
         "prefill": Placement(2, passive_wait=True),
-        "decode": Placement(1, background=True),
+        "decode": Placement(1, background=True, step_interval_ms=40.0),  # paced: it shares the cores
     }
     assert cfg.host_placement(2)["decode"].command(["python"]) == ["nice", "-n", "19", "python"]
     assert cfg.host_placement(2)["prefill"].env() == {
@@ -148,8 +148,8 @@ def test_host_placement():
     tp2 = cluster_config_from_dict({"prefill": {"tensor_parallel_size": 2}, "decode": {"replicas": 2}})
     assert tp2.host_placement(16) == {
         "prefill": Placement(8, passive_wait=True),
-        "decode": Placement(4, background=True),
+        "decode": Placement(4, background=True, step_interval_ms=40.0),
     }
-    assert tp2.host_placement(1)["decode"] == Placement(1, background=True)
+    assert tp2.host_placement(1)["decode"] == Placement(1, background=True, step_interval_ms=40.0)
     with pytest.raises(ClusterConfigError, match="placement must be one of"):
         cluster_config_from_dict({"placement": "random"})

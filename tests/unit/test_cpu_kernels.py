@@ -84,10 +84,16 @@ def test_qk_norm_rope_store(hq, hkv, d):
     assert caches[0][:, 2].abs().sum() == 0  # untouched blocks stay as they were
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (4, 4, 24), (16, 4, 32)])
+# d=24: the AVX2 kernel everywhere; d a multiple of 16 (up to 128): the AVX-512 kernel where the CPU has it;
+# (32, 4, 128) is Qwen3-30B-A3B's shape; 12 and 16 query heads per KV head run in several passes
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"),
+    [(4, 2, 32), (4, 4, 24), (16, 4, 32), (32, 4, 128), (24, 2, 64), (16, 1, 32), (3, 1, 16)],
+)
 @pytest.mark.parametrize("lens", [[1], [16, 3, 40], [8, 9, 17, 33, 64]])
-def test_paged_decode_attention(hq, hkv, d, lens):
-    bs, num_blocks = 16, 32
+@pytest.mark.parametrize("bs", [16, 8])
+def test_paged_decode_attention(hq, hkv, d, lens, bs):
+    num_blocks = 80
     k_cache, v_cache = randn(hkv, num_blocks, bs, d), randn(hkv, num_blocks, bs, d)
     width = max(-(-n // bs) for n in lens) + 1  # one more column than any needs: padding is ignored
     tables = torch.randperm(num_blocks, generator=GEN)[: len(lens) * width].view(len(lens), width)
@@ -126,8 +132,9 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 @bf16_dot
-@pytest.mark.parametrize("m", [0, 1, 3, 8, 9, 40])
-@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (30, 17)])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 8, 9, 40])
+# n=100: 7 column blocks, so up to 8 rows run wide tiles (4 or 2 blocks) and then single blocks
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (30, 17), (64, 100)])
 def test_bf16_dot_linear(m, k, n):
     """Weights and activations rounded to bf16, products summed in float32; rows are independent."""
     x, w = randn(m, k), randn(k, n)
