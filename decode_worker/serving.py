@@ -44,12 +44,12 @@ PACE_MIN_RUNNING = 4  # requests running before decode_step_interval_ms paces th
 class EngineLoop(threading.Thread):
     """Runs `engine.step()` while there is work; runs submitted closures between steps.
 
-    Pacing (`step_interval_ms`, a decode worker's EngineConfig.decode_step_interval_ms): with PACE_MIN_RUNNING or more requests running, a
-    step starts no sooner than the interval after the previous one. A decode step's cost is mostly the
-    weights it reads, whatever its batch, so a slower cadence carries more tokens per step (Little's
-    law: the batch grows with the time a request stays) for the same reads, and the time between steps
-    goes to the processes that share the cores (prefill, on one host). Fewer running requests (one
-    stream alone) step at full speed.
+    Pacing (`step_interval_ms`, a decode worker's EngineConfig.decode_step_interval_ms): with
+    PACE_MIN_RUNNING or more requests running, a step starts no sooner than the interval after the
+    previous one. A decode step's cost is mostly the weights it reads, whatever its batch, so a slower
+    cadence carries more tokens per step (Little's law: the batch grows with the time a request stays)
+    for the same reads, and the time between steps goes to the processes that share the cores
+    (prefill, on one host). Fewer running requests (one stream alone) step at full speed.
     """
 
     def __init__(
