@@ -161,10 +161,11 @@ class LocalCluster:
     def _start_group(self, role: str, kind: int) -> Child:
         name = f"{role}-{next(self._names[role])}"
         cfg = self.cfg
-        argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url)
         placement = self._placement[role]
-        if placement.step_interval_ms and cfg.engine_config(role, kind).decode_step_interval_ms is None:
-            argv += ["--decode-step-interval-ms", str(placement.step_interval_ms)]
+        paced = {"decode_step_interval_ms": placement.step_interval_ms} if placement.step_interval_ms else {}
+        argv = worker_argv(
+            cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url, defaults=paced
+        )
         env = placement.env()
         if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
             del env["KVFERRY_NUM_THREADS"]
@@ -309,11 +310,20 @@ def pool_argv(cfg: ClusterConfig, model_dir: Path, node_id: str, host: str, redi
 
 
 def worker_argv(
-    cfg: ClusterConfig, role: str, kind: int, name: str, model: str, host: str, redis_url: str
+    cfg: ClusterConfig,
+    role: str,
+    kind: int,
+    name: str,
+    model: str,
+    host: str,
+    redis_url: str,
+    defaults: dict | None = None,
 ) -> list[str]:
     """The command of a worker group of kind `kind` (its index in cfg.groups(role)); `model` is what
-    the worker resolves (a built-in name is made on each node on first use)."""
+    the worker resolves (a built-in name is made on each node on first use). `defaults`: engine
+    settings the launcher picks (the placement's pacing) for those the cluster file leaves unset."""
     engine = replace(cfg.engine_config(role, kind), model=model)
+    engine = replace(engine, **{k: v for k, v in (defaults or {}).items() if getattr(engine, k) is None})
     return [
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
         *_common(cfg, host, redis_url),

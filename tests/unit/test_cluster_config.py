@@ -9,12 +9,13 @@ import pytest
 from kvferry.cli import add_engine_args, engine_config_from
 from kvferry.decode_worker.engine import EngineConfig
 from kvferry.deploy.config import (
+    ClusterConfig,
     ClusterConfigError,
     cluster_config_from_dict,
     cluster_config_to_dict,
     load_cluster_config,
 )
-from kvferry.deploy.local import engine_flags
+from kvferry.deploy.local import engine_flags, worker_argv
 
 
 def test_yaml_file_round_trip(tmp_path):
@@ -128,7 +129,7 @@ def test_host_placement():
     wherever they overlap; even: cores // processes for all; colocated: the even share."""
     from dataclasses import replace
 
-    from kvferry.deploy.config import ClusterConfig, Placement
+    from kvferry.deploy.config import Placement
 
     cfg = ClusterConfig()
     assert cfg.host_placement(2) == {
@@ -153,3 +154,18 @@ def test_host_placement():
     assert tp2.host_placement(1)["decode"] == Placement(1, background=True, step_interval_ms=40.0)
     with pytest.raises(ClusterConfigError, match="placement must be one of"):
         cluster_config_from_dict({"placement": "random"})
+
+
+def test_launcher_defaults_fill_only_the_engine_settings_the_file_leaves_unset():
+    """The placement's pacing reaches a decode worker's flags unless the cluster file sets its own."""
+
+    def interval(cfg: ClusterConfig) -> str | None:
+        argv = worker_argv(
+            cfg, "decode", 0, "decode-0", "tiny", "127.0.0.1", "redis://x", {"decode_step_interval_ms": 40.0}
+        )
+        flag = "--decode-step-interval-ms"
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    assert interval(ClusterConfig()) == "40.0"
+    assert interval(cluster_config_from_dict({"decode": {"decode_step_interval_ms": 0}})) == "0"
+    assert "--decode-step-interval-ms" not in worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h", "r")
