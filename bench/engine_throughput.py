@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, memcpy_gbps, print_result, weight_bytes_per_step
 
-from kvferry.decode_worker.engine import EngineConfig, LLMEngine
-from kvferry.decode_worker.request import SamplingParams
+from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.request import SamplingParams
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

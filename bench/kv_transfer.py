@@ -29,7 +29,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
-from kvferry.deploy.local import free_port, redis_server_argv, wait_for_redis
+from kvferry.deploy.local import redis_server_argv, wait_for_redis
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import (
@@ -42,6 +42,7 @@ from kvferry.kvpool.transfer import (
     unpack_blocks,
 )
 from kvferry.model.config import ModelConfig
+from kvferry.proc import free_port
 
 
 def raw_peer(store_port: int, nbytes: int, count: int) -> None:

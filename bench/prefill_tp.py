@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timed, add_rank_bench_args, bench_model, print_result, rank_run, rank_threads
 
-from kvferry.decode_worker.model_runner import ModelRunner, StepInputs
+from kvferry.engine.model_runner import ModelRunner, StepInputs
 from kvferry.model.loader import load_model
 from kvferry.model.parallel import Comm, Parallel, init_group, spawn_ranks
 

@@ -20,9 +20,9 @@ import grpc
 import torch
 
 from kvferry.convert import sampling_from_proto
-from kvferry.decode_worker.engine import LLMEngine
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
+from kvferry.engine.engine import LLMEngine
+from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
 from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.model.moe import ExpertParallelMoe
 from kvferry.model.parallel import Comm

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from kvferry.decode_worker.engine import EngineConfig
+from kvferry.engine.engine import EngineConfig
 
 
 class ClusterConfigError(ValueError):

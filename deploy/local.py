@@ -14,7 +14,6 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,19 +25,14 @@ from pathlib import Path
 import grpc
 
 from kvferry.deploy.config import ClusterConfig
+from kvferry.engine.args import engine_flags
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
-from kvferry.proc import STOP_ORDER, die_with_parent
+from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
 from kvferry.rpc import check_health
 from kvferry.settings import load_settings
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LaunchError(RuntimeError):
@@ -247,17 +241,7 @@ class LocalCluster:
 
 
 def _terminate(children: list[Child], limit_s: float) -> None:
-    """SIGTERM every child at once, then SIGKILL whichever still runs `limit_s` later."""
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + limit_s
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(max(0.01, deadline - time.monotonic()))
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
+    terminate([child.proc for child in children], limit_s)
 
 
 def _kind(name: str) -> str:
@@ -378,23 +362,6 @@ def cluster_layout(cfg: ClusterConfig, model_dir: Path) -> BlockLayout:
     return BlockLayout(
         model_cfg.num_layers, model_cfg.num_kv_heads, engine.block_size, model_cfg.head_dim, dtype_name(dtype)
     )
-
-
-def engine_flags(engine) -> list[str]:
-    """EngineConfig -> the worker's command-line flags."""
-    from dataclasses import fields
-
-    out = []
-    for f in fields(engine):
-        value = getattr(engine, f.name)
-        if value is None:
-            continue
-        flag = "--" + ("engine-seed" if f.name == "seed" else f.name.replace("_", "-"))
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 def _scale_key(namespace: str) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 
-from kvferry.decode_worker.engine import KERNEL_CHOICES, EngineConfig, EngineConfigError, LLMEngine
-from kvferry.decode_worker.output import Completion
-from kvferry.decode_worker.request import InvalidRequestError, SamplingParams
+from kvferry.engine.args import add_engine_args, engine_config_from
+from kvferry.engine.engine import EngineConfigError, LLMEngine
+from kvferry.engine.output import Completion
+from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import ModelConfigError
 
 
@@ -76,48 +76,6 @@ def _cmd_model_create(args) -> int:
     create_model(args.name, out, seed=args.seed)
     print(out)
     return 0
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="checkpoint directory, or a built-in name (tiny, bench)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    p.add_argument(
-        "--kernels",
-        default=d.kernels,
-        choices=KERNEL_CHOICES,
-        help="auto: the C++ CPU kernels for float32 on CPU (built on first use); torch: plain torch ops",
-    )
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=d.kv_cache_memory_gib)
-    p.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
-    )
-    p.add_argument("--engine-seed", type=int, default=d.seed, help="seed for requests that give none")
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, help="ranks of a prefill group"
-    )
-    p.add_argument(
-        "--expert-parallel-size", type=int, default=d.expert_parallel_size, help="ranks of a decode group"
-    )
-    p.add_argument(
-        "--decode-step-interval-ms",
-        type=float,
-        default=d.decode_step_interval_ms,
-        help="decode workers: step at most once per this interval while 4 or more requests run (bigger "
-        "decode batches for the same weight reads; the spare time goes to whatever shares the cores)",
-    )
-
-
-def engine_config_from(args) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names and k != "seed"}
-    return EngineConfig(**values, seed=args.engine_seed)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

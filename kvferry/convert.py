@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.decode_worker.request import SamplingParams
+from kvferry.engine.request import SamplingParams
 from kvferry.v1 import generate_pb2
 
 DEFAULT_MAX_TOKENS = 16

@@ -9,6 +9,10 @@ import ctypes
 import gc
 import os
 import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
 
 # the order a cluster's processes stop in: workers drain while the router still relays their streams
 STOP_ORDER = ("prefill", "decode", "router", "pool", "redis")
@@ -46,3 +50,27 @@ def settle_heap(young_threshold: int = 50_000) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(young_threshold, 20, 20)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the OS's pick; a later bind may still race another process)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def terminate(procs: Iterable[subprocess.Popen], limit_s: float) -> None:
+    """SIGTERM every process at once (each drains or shuts down in parallel), then SIGKILL whichever
+    still runs `limit_s` later; returns once all of them have exited and been reaped."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + limit_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.01, deadline - time.monotonic()))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

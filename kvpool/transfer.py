@@ -70,6 +70,14 @@ class BlockLayout:
         layers, heads, bs, dim, dtype = values
         return cls(int(layers), int(heads), int(bs), int(dim), str(dtype))
 
+    @classmethod
+    def for_model(cls, model_cfg, block_size: int, kv_dtype: torch.dtype) -> BlockLayout:
+        """The one derivation of a pool block's layout: the whole model's KV heads (a tensor-parallel
+        rank writes its slice of them) in the KV cache's dtype (`model.config.kv_cache_dtype`)."""
+        return cls(
+            model_cfg.num_layers, model_cfg.num_kv_heads, block_size, model_cfg.head_dim, dtype_name(kv_dtype)
+        )
+
 
 def make_pair_group(
     store: dist.Store, name: str, rank: int, backend: str, host: str, timeout_s: float

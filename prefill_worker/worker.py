@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from kvferry.convert import sampling_from_proto
-from kvferry.decode_worker.engine import LLMEngine
-from kvferry.decode_worker.model_runner import StepInputs
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus
 from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
+from kvferry.engine.engine import LLMEngine
+from kvferry.engine.model_runner import StepInputs
+from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
 from kvferry.kvpool.client import PoolClient, PoolError, from_proto, to_proto
 from kvferry.kvpool.transfer import pack_blocks
 from kvferry.model.parallel import Comm

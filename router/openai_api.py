@@ -27,7 +27,7 @@ from fastapi import BackgroundTasks, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvferry.decode_worker.request import InvalidRequestError
+from kvferry.engine.request import InvalidRequestError
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
 from kvferry.router.metrics import CONTENT_TYPE
 from kvferry.router.openai_protocol import (

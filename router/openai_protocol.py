@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvferry.decode_worker.request import InvalidRequestError
+from kvferry.engine.request import InvalidRequestError
 from kvferry.v1 import generate_pb2
 
 INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # what the gRPC messages carry

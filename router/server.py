@@ -26,8 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvferry.convert import sampling_from_proto, sampling_to_proto
-from kvferry.decode_worker.output import OutputState
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.engine.output import OutputState
+from kvferry.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.model.create import resolve_model

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster, free_port, redis_server_argv, wait_for_redis
+from kvferry.deploy.local import LocalCluster, redis_server_argv, wait_for_redis
+from kvferry.proc import free_port
 
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "max_num_batched_tokens": 512}
 

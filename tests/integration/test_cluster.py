@@ -10,8 +10,8 @@ import pytest
 import torch
 from cluster_helpers import Members, assert_released, wait_for
 
-from kvferry.decode_worker.engine import EngineConfig, LLMEngine
-from kvferry.decode_worker.request import SamplingParams
+from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.request import SamplingParams
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request

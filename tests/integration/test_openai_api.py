@@ -18,9 +18,10 @@ from cluster_helpers import Members, assert_released, wait_for
 from conftest import ENGINE, make_cluster_config
 
 from kvferry.deploy.config import RouterSettings, WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster, free_port
+from kvferry.deploy.local import LocalCluster
 from kvferry.model.chat_template import ChatTemplate
 from kvferry.model.tokenizer import Tokenizer
+from kvferry.proc import free_port
 from kvferry.router.client import Client, build_request
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.decode_worker.engine import EngineConfig, LLMEngine
-from kvferry.decode_worker.request import SamplingParams
+from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.request import SamplingParams
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.loader import load_model
 

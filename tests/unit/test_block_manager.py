@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.decode_worker.block_manager import BlockManager
-from kvferry.decode_worker.request import Request, RequestStatus, SamplingParams
-from kvferry.decode_worker.scheduler import Scheduler, SchedulerConfig
+from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.request import Request, RequestStatus, SamplingParams
+from kvferry.engine.scheduler import Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
 
 NUM_BLOCKS, BS = 8, 4

@@ -6,8 +6,6 @@ import argparse
 
 import pytest
 
-from kvferry.cli import add_engine_args, engine_config_from
-from kvferry.decode_worker.engine import EngineConfig
 from kvferry.deploy.config import (
     ClusterConfig,
     ClusterConfigError,
@@ -15,7 +13,9 @@ from kvferry.deploy.config import (
     cluster_config_to_dict,
     load_cluster_config,
 )
-from kvferry.deploy.local import engine_flags, worker_argv
+from kvferry.deploy.local import worker_argv
+from kvferry.engine.args import add_engine_args, engine_config_from, engine_flags
+from kvferry.engine.engine import EngineConfig
 
 
 def test_yaml_file_round_trip(tmp_path):

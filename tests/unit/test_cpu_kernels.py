@@ -175,7 +175,7 @@ def test_bf16_dot_moe_experts(tokens, first):
 def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir):
     """--dtype bfloat16 on an AVX512-BF16 CPU: the kernels serve with bf16 matmuls and a float32 KV cache,
     under a fingerprint of its own, and its logits stay close to float32 arithmetic on the bf16 weights."""
-    from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+    from kvferry.engine.engine import EngineConfig, LLMEngine
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
@@ -253,9 +253,9 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
 def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, dtype):
     """The launcher sizes the pool's blocks by the same rule the engine picks its KV dtype with (float32
     under the CPU kernels, also for a bf16 model): otherwise every KV write-out is refused."""
-    from kvferry.decode_worker.engine import EngineConfig, LLMEngine
     from kvferry.deploy.config import ClusterConfig
     from kvferry.deploy.local import cluster_layout
+    from kvferry.engine.engine import EngineConfig, LLMEngine
 
     layout = cluster_layout(ClusterConfig(model=str(tiny_model_dir), dtype=dtype), tiny_model_dir)
     engine = LLMEngine(

@@ -8,8 +8,8 @@ from argparse import Namespace
 import pytest
 
 from kvferry.cli import sampling_params_from
-from kvferry.decode_worker.engine import EngineConfig, EngineConfigError, LLMEngine
-from kvferry.decode_worker.request import InvalidRequestError, SamplingParams
+from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
+from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import generation_eos_ids
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

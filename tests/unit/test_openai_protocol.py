@@ -8,7 +8,7 @@ import json
 import pydantic
 import pytest
 
-from kvferry.decode_worker.request import InvalidRequestError
+from kvferry.engine.request import InvalidRequestError
 from kvferry.model.chat_template import CHATML, ChatTemplate, ChatTemplateError
 from kvferry.router.directory import Directory, Member, PoolNode
 from kvferry.router.metrics import RouterMetrics

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from kvferry.decode_worker.output import OutputState
-from kvferry.decode_worker.request import Request, RequestStatus, SamplingParams
+from kvferry.engine.output import OutputState
+from kvferry.engine.request import Request, RequestStatus, SamplingParams
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PIECES = ["<unk>", "<eos>", "Hello", " wor", "ld", " ST", "O", "P", " tail", "!", "OP tail", "ar"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from kvferry.decode_worker.block_manager import BlockManager
-from kvferry.decode_worker.request import Request, RequestStatus, SamplingParams
-from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.request import Request, RequestStatus, SamplingParams
+from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
 
 BS = 4

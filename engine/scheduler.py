@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvferry.decode_worker.block_manager import BlockManager
-from kvferry.decode_worker.request import Request, RequestStatus
+from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kvferry.decode_worker.block_manager import BlockManager
-from kvferry.decode_worker.model_runner import ModelRunner, StepInputs, kv_block_bytes
-from kvferry.decode_worker.output import Completion, OutputState, RequestOutput
-from kvferry.decode_worker.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from kvferry.decode_worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
+from kvferry.engine.output import Completion, OutputState, RequestOutput
+from kvferry.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import (
     ModelConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.decode_worker.request import Request, RequestStatus
+from kvferry.engine.request import Request, RequestStatus
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.decode_worker.request import Request
-from kvferry.decode_worker.scheduler import ScheduledBatch
+from kvferry.engine.request import Request
+from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import sample

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvferry.decode_worker.request import Request
+from kvferry.engine.request import Request
 from kvferry.kvpool.keys import block_keys
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import logging
-import queue
 import signal
 import subprocess
 import sys
@@ -19,128 +17,22 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
 import torch.distributed as dist
 
-from kvferry.decode_worker.engine import EngineConfig, LLMEngine
+from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.model.parallel import Comm, Parallel, init_group
-from kvferry.proc import die_with_parent, settle_heap
+from kvferry.proc import die_with_parent, free_port, settle_heap, terminate
 from kvferry.rpc import Heartbeat, hard_exit, service_names, set_serving, start_server
 from kvferry.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-
-
-PACE_MIN_RUNNING = 4  # requests running before decode_step_interval_ms paces the steps
-
-
-class EngineLoop(threading.Thread):
-    """Runs `engine.step()` while there is work; runs submitted closures between steps.
-
-    Pacing (`step_interval_ms`, a decode worker's EngineConfig.decode_step_interval_ms): with
-    PACE_MIN_RUNNING or more requests running, a step starts no sooner than the interval after the
-    previous one. A decode step's cost is mostly the weights it reads, whatever its batch, so a slower
-    cadence carries more tokens per step (Little's law: the batch grows with the time a request stays)
-    for the same reads, and the time between steps goes to the processes that share the cores
-    (prefill, on one host). Fewer running requests (one stream alone) step at full speed.
-    """
-
-    def __init__(
-        self,
-        engine: LLMEngine,
-        on_outputs: Callable,
-        idle_hook: Callable[[], bool] | None = None,
-        on_error: Callable[[Exception], None] | None = None,
-        sync: Callable[[bool], bool] | None = None,
-        step_interval_ms: float | None = None,
-    ):
-        super().__init__(name="engine", daemon=True)
-        self.engine = engine
-        self.on_outputs = on_outputs
-        self.idle_hook = idle_hook  # extra work the loop polls (returns True when it did something)
-        self.on_error = on_error  # a step failed: fail the requests in flight (the loop goes on)
-        # lock-step groups: sync(this rank has work) -> any rank has work (a collective every
-        # iteration); then every rank steps, the idle ones with an empty batch
-        self.sync = sync
-        self.idle_wait_s = 0.005 if sync is not None else 0.05
-        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.stopped = threading.Event()
-        self.step_interval_s = (step_interval_ms or 0.0) / 1e3  # pacing (see the class docstring)
-        self.last_step = 0.0
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self.inbox.put(fn)
-        self.wake.set()
-
-    def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
-        """Run `fn` on the engine thread between steps and return its result (for handler threads)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self.submit(lambda: done.set_result(fn()))
-        return done.result(timeout=timeout_s)
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            ran = self._drain()
-            if self.idle_hook is not None:
-                try:
-                    ran = self.idle_hook() or ran
-                except Exception:
-                    log.exception("engine idle work failed")
-            busy = self.engine.has_unfinished()
-            if self.sync is not None:
-                try:
-                    busy = self.sync(busy)
-                except Exception:  # a rank of the group is gone: this one cannot step alone
-                    log.exception("the worker group's lock-step sync failed; exiting")
-                    hard_exit(1)
-            if busy:
-                self._pace()
-                try:
-                    outputs = self.engine.step(join=self.sync is not None)
-                except Exception as err:
-                    log.exception("engine step failed")
-                    if self.on_error is not None:
-                        self.on_error(err)
-                    continue
-                try:
-                    self.on_outputs(outputs)
-                except Exception:
-                    log.exception("delivering engine outputs failed")
-            elif not ran:
-                self.wake.wait(self.idle_wait_s)
-                self.wake.clear()
-
-    def _pace(self) -> None:
-        if self.step_interval_s and len(self.engine.scheduler.running) >= PACE_MIN_RUNNING:
-            left = self.last_step + self.step_interval_s - time.perf_counter()
-            if left > 0:
-                self.stopped.wait(left)
-        self.last_step = time.perf_counter()
-
-    def _drain(self) -> bool:
-        ran = False
-        while True:
-            try:
-                fn = self.inbox.get_nowait()
-            except queue.Empty:
-                return ran
-            ran = True
-            try:
-                fn()
-            except Exception:
-                log.exception("engine task failed")
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.wake.set()
 
 
 class EngineWorker:
@@ -228,10 +120,7 @@ class EngineWorker:
 
 
 def kv_layout(engine: LLMEngine) -> BlockLayout:
-    cfg = engine.model.cfg
-    return BlockLayout(
-        cfg.num_layers, cfg.num_kv_heads, engine.cfg.block_size, cfg.head_dim, dtype_name(engine.kv_dtype)
-    )
+    return BlockLayout.for_model(engine.model.cfg, engine.cfg.block_size, engine.kv_dtype)
 
 
 def worker_info(engine: LLMEngine, role: str, worker_id: str) -> worker_pb2.WorkerInfo:
@@ -295,23 +184,13 @@ class Group:
         return self.group_id if self.size == 1 else f"{self.group_id}.r{self.rank}"
 
     def stop_children(self, timeout_s: float = 10.0) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(max(0.1, deadline - time.monotonic()))
-            if child.poll() is None:
-                child.kill()
+        terminate(self.children, timeout_s)
 
 
 def form_group(
     args, cfg: EngineConfig, role: str, group_id: str, argv: list[str]
 ) -> tuple[Group, EngineConfig]:
     """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
-    from kvferry.deploy.local import free_port
-
     size = cfg.tensor_parallel_size * cfg.expert_parallel_size
     if size == 1:
         return Group(group_id, 0, 1, Comm.single()), cfg
