@@ -1,1 +1,3 @@
-"""Decode worker: the continuous-batching engine (single-process today; decode mode in a later issue)."""
+"""The decode worker: the `DecodeWorker` gRPC service (`worker.py`) and its side of the KV hand-off
+(`handoff.py`: prealloc -> transfer -> the engine). The engine itself is `kvferry.engine`; the process
+runtime both workers share is `kvferry.worker`."""

@@ -1,51 +1,36 @@
 """The decode worker: continuous batching behind the DecodeWorker gRPC service.
 
 A request arrives with its prompt, the first token (sampled by the prefill worker) and where its KV
-lies in the pool. It waits in WAITING_FOR_KV while a transfer thread pulls the blocks straight into
-its reserved slots of the paged cache (the running batch keeps stepping meanwhile), then joins the
-batch and streams tokens. Blocks the worker already caches locally are not pulled again; blocks the
-pool no longer holds are recomputed here, so a pool miss costs time, never correctness.
+lies in the pool, and moves through the stages of `decode_worker.handoff` (prealloc -> transfer ->
+the engine) before it streams tokens; the engine loop polls them between steps. Every rank of an
+expert-parallel group serves its own requests and steps in lock-step with the others
+(`kvferry.worker.ep.LockStep`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
-import torch
 
 from kvferry.convert import sampling_from_proto
-from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
+from kvferry.decode_worker.handoff import KVPull, Stream
 from kvferry.engine.engine import LLMEngine
-from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
+from kvferry.engine.loop import EngineLoop
+from kvferry.engine.request import InvalidRequestError, RequestStatus
 from kvferry.kvpool.client import PoolClient, from_proto
-from kvferry.model.moe import ExpertParallelMoe
-from kvferry.model.parallel import Comm
+from kvferry.rpc import hard_exit
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.worker.ep import LockStep
+from kvferry.worker.group import Group
+from kvferry.worker.runtime import run_worker
+from kvferry.worker.service import EngineWorker
+from kvferry.worker.stages import Done, TransferStage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Stream:
-    request: worker_pb2.DecodeRequest
-    arrived: float
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    req: Request | None = None
-    local: list[int] = field(default_factory=list)  # blocks found in the local prefix cache
-    reserved: list[int] = field(default_factory=list)  # blocks the pulled KV lands in
-    pulling: bool = False
-    aborted: bool = False
-    kv_ready: float = 0.0
-    kv_pull_ms: float = 0.0
-    pulled_tokens: int = 0
-    recomputed_tokens: int = 0
-    sent_first: bool = False
 
 
 class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
@@ -54,18 +39,21 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
         self.streams: dict[str, Stream] = {}
-        self.kv_waiting: deque[Stream] = deque()  # admitted, waiting for free blocks to pull into
         self.tombstones: dict[str, float] = {}  # aborted before their Decode call arrived
         # an expert-parallel rank steps in lock-step with the rest of its group
         self.lockstep = LockStep(engine, self.group.comm) if self.group.size > 1 else None
         self.loop = EngineLoop(
             engine,
             self._on_outputs,
-            idle_hook=self._admit_waiting,
+            idle_hook=self._poll,
             on_error=self._fail_all,
             sync=self.lockstep,
             step_interval_ms=engine.cfg.decode_step_interval_ms,
+            on_sync_lost=lambda: hard_exit(1),
         )
+        # the hand-off stages (decode_worker.handoff): waiting for blocks, then pulling into them
+        self.prealloc: deque[Stream] = deque()
+        self.transfer: TransferStage[KVPull] = TransferStage("KV pull", self.transfers, self.loop.wake.set)
         if self.lockstep is not None:
             self.lockstep.on_group_stop = self._group_stopped
             self.lockstep.busy = lambda: bool(self.streams)
@@ -103,14 +91,14 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         return {
             "inflight": len(self.streams),
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(self.kv_waiting),
+            "waiting": len(sched.waiting) + len(self.prealloc) + len(self.transfer),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
         }
 
     # -- gRPC -----------------------------------------------------------------------------------------
     def Decode(self, request, context):
-        stream = Stream(request, time.perf_counter())
+        stream = Stream(request)
         rid = request.request_id
         context.add_callback(lambda: self.loop.submit(lambda: self._abort(rid)))
         self.loop.submit(lambda: self._admit(stream))
@@ -131,12 +119,10 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         return super()._stats(
             expert_load=self.lockstep.expert_load() if self.lockstep is not None else None,
             prompt_tokens_computed=self.counters["recomputed_tokens"],
-            waiting_for_kv=sum(
-                1 for s in self.streams.values() if s.req.status == RequestStatus.WAITING_FOR_KV
-            ),
+            waiting_for_kv=len(self.prealloc) + len(self.transfer),
         )
 
-    # -- engine thread --------------------------------------------------------------------------------
+    # -- engine thread: admission and the hand-off stages -----------------------------------------------
     def _admit(self, stream: Stream) -> None:
         r = stream.request
         params = replace(sampling_from_proto(r.sampling), stop=())  # stop strings are the router's
@@ -156,11 +142,34 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             self.engine.submit(stream.req)  # (its first message reports prefix-cache hits, no hand-off)
             return
         stream.req.status = RequestStatus.WAITING_FOR_KV
-        if not self._start_pull(stream):
-            self.kv_waiting.append(stream)
+        self.prealloc.append(stream)
+        self._start_pulls()
 
-    def _start_pull(self, stream: Stream) -> bool:
-        """Take local hits, reserve blocks for the rest and start the pull; False if blocks are short."""
+    def _poll(self) -> bool:
+        """The engine loop's idle hook: finished pulls join the engine; the prealloc queue moves on."""
+        finished, abandoned = self.transfer.poll()
+        for done in finished:
+            self._kv_ready(done)
+        for done in abandoned:  # aborted while its KV was on the way
+            pull = done.item
+            self.engine.block_manager.release(pull.local + pull.reserved)
+            self._finish(pull.stream, "abort")
+        return self._start_pulls() or bool(finished or abandoned)
+
+    def _start_pulls(self) -> bool:
+        """Prealloc -> transfer, in arrival order, while blocks are free."""
+        started = False
+        while self.prealloc:
+            pull = self._reserve(self.prealloc[0])
+            if pull is None:
+                break
+            self.prealloc.popleft()
+            self.transfer.start(pull.stream.req.request_id, pull, lambda p=pull: self._pull(p))
+            started = True
+        return started
+
+    def _reserve(self, stream: Stream) -> KVPull | None:
+        """Take local hits and reserve blocks for the rest (None: not enough free blocks yet)."""
         req, bm = stream.req, self.engine.block_manager
         locations = [from_proto(x) for x in stream.request.blocks]
         bm.update_keys(req)
@@ -174,58 +183,46 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         reserved = bm.reserve(len(locations) - len(local))
         if reserved is None:
             bm.release(local)
-            if bm.num_blocks - bm.num_free_blocks == 0:  # could never fit: recompute instead
-                local, reserved, locations = [], [], []
-            else:
-                return False
-        stream.local, stream.reserved, stream.pulling = local, reserved, True
-        remote = locations[len(local) :]
-        self.transfers.submit(self._pull, stream, remote)
-        return True
+            if bm.num_blocks - bm.num_free_blocks > 0:
+                return None  # blocks free up as running requests finish
+            local, reserved, locations = [], [], []  # could never fit: recompute instead
+        return KVPull(stream, local, reserved, locations[len(local) :])
 
-    def _admit_waiting(self) -> bool:
-        started = False
-        while self.kv_waiting and self._start_pull(self.kv_waiting[0]):
-            self.kv_waiting.popleft()
-            started = True
-        return started
-
-    def _pull(self, stream: Stream, remote: list) -> None:
-        """Transfer thread: pool -> reserved blocks of the paged cache."""
-        started, n = time.perf_counter(), 0
-        if remote:
+    def _pull(self, pull: KVPull) -> tuple[int, float]:
+        """Transfer thread: pool -> reserved blocks of the paged cache; (blocks served, ms)."""
+        started, n, request_id = time.perf_counter(), 0, pull.stream.request.request_id
+        if pull.remote:
             try:  # any failure means: recompute what did not arrive (the request itself goes on)
                 cache = self.engine.runner.kv_cache
-                n = self.pool.pull_into_cache(stream.req.request_id, remote, cache, stream.reserved)
+                n = self.pool.pull_into_cache(request_id, pull.remote, cache, pull.reserved)
             except Exception as err:
-                log.warning("pulling KV of %s failed, recomputing: %s", stream.req.request_id, err)
+                log.warning("pulling KV of %s failed, recomputing: %s", request_id, err)
                 n = 0  # a partial landing is not trusted
-        stream.kv_pull_ms = (time.perf_counter() - started) * 1e3
-        self.loop.submit(lambda: self._kv_ready(stream, n))
+        return n, (time.perf_counter() - started) * 1e3
 
-    def _kv_ready(self, stream: Stream, served: int) -> None:
-        bm, req = self.engine.block_manager, stream.req
-        stream.pulling = False
-        bm.release(stream.reserved[served:])
-        blocks = stream.local + stream.reserved[:served]
-        if stream.aborted:
-            bm.release(blocks)
-            self._finish(stream, "abort")
-            return
+    def _kv_ready(self, done: Done[KVPull]) -> None:
+        pull, bm = done.item, self.engine.block_manager
+        stream, req = pull.stream, pull.stream.req
+        served, pull_ms = done.value if done.error is None else (0, 0.0)
+        bm.release(pull.reserved[served:])
+        blocks = pull.local + pull.reserved[:served]
         bs = bm.block_size
         covered = min(stream.request.num_kv_tokens, len(blocks) * bs, req.num_prompt_tokens)
-        stream.pulled_tokens = min(served * bs, covered)
-        stream.recomputed_tokens = req.num_prompt_tokens - covered
+        report = stream.report
+        report.kv_pull_ms = pull_ms
+        report.pulled_tokens = min(served * bs, covered)
+        report.recomputed_tokens = req.num_prompt_tokens - covered
         self.counters["blocks_pulled"] += served
-        self.counters["pool_hit_tokens"] += stream.pulled_tokens
-        self.counters["local_hit_tokens"] += min(len(stream.local) * bs, covered)
-        self.counters["recomputed_tokens"] += stream.recomputed_tokens
+        self.counters["pool_hit_tokens"] += report.pulled_tokens
+        self.counters["local_hit_tokens"] += min(len(pull.local) * bs, covered)
+        self.counters["recomputed_tokens"] += report.recomputed_tokens
         if covered == 0:
             bm.release(blocks)
             blocks = []
-        stream.kv_ready = time.perf_counter()
+        report.kv_ready = time.perf_counter()
         self.engine.add_with_kv(req, stream.request.first_token_id, blocks, covered)
 
+    # -- engine thread: outputs, failures, aborts -------------------------------------------------------
     def _on_outputs(self, outputs) -> None:
         for out in outputs:
             stream = self.streams.get(out.request_id)
@@ -234,14 +231,14 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             msg = worker_pb2.DecodeResponse(
                 token_ids=out.new_token_ids, finish_reason=out.finish_reason or ""
             )
-            if not stream.sent_first:
-                stream.sent_first = True
-                msg.kv_pull_ms = stream.kv_pull_ms
+            report, stream.report = stream.report, None
+            if report is not None:  # the first message
+                msg.kv_pull_ms = report.kv_pull_ms
                 msg.first_decode_ms = (
-                    (time.perf_counter() - stream.kv_ready) * 1e3 if stream.kv_ready else 0.0
+                    (time.perf_counter() - report.kv_ready) * 1e3 if report.kv_ready else 0.0
                 )
-                msg.pulled_tokens = stream.pulled_tokens
-                msg.recomputed_tokens = stream.recomputed_tokens
+                msg.pulled_tokens = report.pulled_tokens
+                msg.recomputed_tokens = report.recomputed_tokens
                 if stream.request.prefill_here:
                     msg.cached_tokens = stream.req.num_cached_tokens
             stream.out.put(msg)
@@ -251,7 +248,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def _fail_all(self, err: Exception) -> None:
         """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
         for request_id, stream in list(self.streams.items()):
-            if stream.pulling or stream in self.kv_waiting:
+            if request_id in self.transfer or stream in self.prealloc:
                 continue  # not in the failed step
             self.engine.abort(request_id)
             self.streams.pop(request_id, None)
@@ -272,72 +269,12 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 if now - at > 60:
                     del self.tombstones[rid]
             return False
-        if stream in self.kv_waiting:
-            self.kv_waiting.remove(stream)
+        if stream in self.prealloc:
+            self.prealloc.remove(stream)
             self._finish(stream, "abort")
-        elif stream.pulling:
-            stream.aborted = True  # the transfer cannot be interrupted; _kv_ready frees its blocks
-        else:
+        elif self.transfer.discard(request_id) is None:  # in a transfer: _poll frees its blocks
             self.engine.abort(request_id)
         return True
-
-
-class LockStep:
-    """The per-iteration sync of an expert-parallel group, and the group's expert-load figures.
-
-    Every engine-loop iteration each rank all-gathers [has work, stopping, seconds in its experts,
-    draining, requests held, token assignments per local expert per MoE layer]; if any rank has
-    work, all of them step (an idle rank with an empty batch, so every MoE layer's all_to_all has all
-    ranks). The same exchange gives every rank the whole group's expert load, so any rank's GetStats
-    can report it, and drains the group as one: once any rank drains, every rank does, and the group
-    stops only when no rank holds a request.
-    """
-
-    HEADER = 5  # has work, stopping, expert seconds, draining, holds requests
-
-    def __init__(self, engine: LLMEngine, comm: Comm):
-        self.comm = comm
-        self.moe = [layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, ExpertParallelMoe)]
-        self.num_local = self.moe[0].w13.shape[0] if self.moe else 0
-        self.view = torch.zeros(comm.size, self.HEADER + len(self.moe) * self.num_local, dtype=torch.float64)
-        self.stopping = False  # this rank is shutting down (it tells the others in the next sync)
-        self.draining = False  # this rank takes no new requests (the others follow)
-        self.busy: Callable[[], bool] = lambda: False  # this rank holds requests
-        self.on_group_stop: Callable[[], None] | None = None
-        self.on_group_drain: Callable[[], None] | None = None
-
-    def __call__(self, has_work: bool) -> bool:
-        mine = [float(has_work), float(self.stopping), sum(m.load.seconds for m in self.moe)]
-        mine += [float(self.draining), float(self.busy())]
-        for m in self.moe:
-            mine += m.load.token_counts()
-        self.view = torch.stack(self.comm.all_gather(torch.tensor(mine, dtype=torch.float64), cpu=True))
-        if self.view[:, 1].any():  # a rank is stopping: no rank steps again
-            if self.on_group_stop is not None:
-                self.on_group_stop()
-            return False
-        if self.view[:, 3].any() and not self.draining and self.on_group_drain is not None:
-            self.on_group_drain()  # another rank drains: so does this one
-        return bool(self.view[:, 0].any())
-
-    def group_idle(self) -> bool:
-        """As of the last sync: every rank drains and none holds a request."""
-        return bool(self.view[:, 3].all()) and not self.view[:, 4].any()
-
-    def expert_load(self) -> worker_pb2.ExpertLoad:
-        view, n = self.view, self.num_local
-        tokens = view[:, self.HEADER :].view(self.comm.size, len(self.moe), n)  # [rank, layer, expert]
-        moe_ms = (view[:, 2] * 1e3).tolist()
-        peak = max(moe_ms)
-        return worker_pb2.ExpertLoad(
-            layers=[
-                worker_pb2.LayerExpertTokens(tokens=[int(t) for t in tokens[:, layer].flatten().tolist()])
-                for layer in range(len(self.moe))
-            ],
-            rank_tokens=[int(t) for t in tokens.sum(dim=(1, 2)).tolist()],
-            rank_moe_ms=moe_ms,
-            balance=sum(moe_ms) / len(moe_ms) / peak if peak > 0 else 1.0,
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

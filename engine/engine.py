@@ -9,7 +9,6 @@ pass and samples, and the update appends tokens, applies stop rules and frees fi
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,13 @@ from tqdm import tqdm
 from kvferry.engine.block_manager import BlockManager
 from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
 from kvferry.engine.output import Completion, OutputState, RequestOutput
-from kvferry.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.engine.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    validate_request,
+)
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import (
@@ -56,7 +61,7 @@ class EngineConfig:
     expert_parallel_size: int = 1  # a decode group's degree
     kernels: str = "auto"  # auto: the C++ CPU kernels for float32 on CPU where they build; torch: plain ops
     # a decode worker's engine loop steps at most once per this interval while 4 or more requests run
-    # (serving.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
+    # (engine.loop.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
     decode_step_interval_ms: float | None = None
 
     def validate(self) -> None:
@@ -178,24 +183,11 @@ class LLMEngine:
     ) -> Request:
         """Validate and tokenize a request without scheduling it (raises InvalidRequestError)."""
         params = params or SamplingParams()
-        params.validate()
         if prompt_token_ids is None:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        try:
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise InvalidRequestError("prompt_token_ids must be integers") from None
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids must not be empty")
-        vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt_token_ids must lie in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
-            )
+        ids = validate_request(prompt_token_ids, params, self.model.cfg.vocab_size, self.max_model_len)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.states:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")

@@ -12,7 +12,6 @@ from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import sample
-from kvferry.v1 import worker_pb2
 
 
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
@@ -23,7 +22,8 @@ def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) ->
 
 @dataclass
 class StepInputs:
-    """One forward pass, flattened: what a tensor-parallel leader broadcasts to its followers."""
+    """One forward pass, flattened: what a tensor-parallel leader sends its followers (as a GroupStep,
+    `kvferry.worker.tp`)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -35,39 +35,6 @@ class StepInputs:
         default_factory=list
     )  # q_start, q_len, ctx, table
     sample_rows: list[int] = field(default_factory=list)
-
-    def to_proto(self) -> worker_pb2.GroupStep:
-        return worker_pb2.GroupStep(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            slot_blocks=self.slot_blocks,
-            slot_offsets=self.slot_offsets,
-            decode_tables=[b for t in self.decode_tables for b in t],
-            decode_table_lens=[len(t) for t in self.decode_tables],
-            decode_context_lens=self.decode_lens,
-            prefills=[
-                worker_pb2.PrefillPiece(q_start=a, q_len=b, context_len=c, block_table=t)
-                for a, b, c, t in self.prefills
-            ],
-            sample_rows=self.sample_rows,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: worker_pb2.GroupStep) -> StepInputs:
-        flat, tables, pos = list(msg.decode_tables), [], 0
-        for n in msg.decode_table_lens:
-            tables.append(flat[pos : pos + n])
-            pos += n
-        return cls(
-            list(msg.input_ids),
-            list(msg.positions),
-            list(msg.slot_blocks),
-            list(msg.slot_offsets),
-            tables,
-            list(msg.decode_context_lens),
-            [(p.q_start, p.q_len, p.context_len, list(p.block_table)) for p in msg.prefills],
-            list(msg.sample_rows),
-        )
 
 
 class ModelRunner:

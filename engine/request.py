@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +73,51 @@ class SamplingParams:
     @property
     def spec(self) -> SamplingSpec:
         return SamplingSpec(self.temperature, self.top_k, self.top_p)
+
+
+def validate_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    *,
+    prompt_field: str = "prompt_token_ids",
+    sampling_field: str = "",
+    max_tokens_fit: bool = False,
+) -> list[int]:
+    """The one check of a request against a model, run by the router (on the API's field names) and
+    by the engine (on every request it is given): the prompt's ids as a list of ints, or an
+    InvalidRequestError naming the field. `max_tokens_fit`: max_tokens must fit in max_model_len (the
+    router's API contract); without it the engine ends a request at max_model_len with "length"."""
+    try:
+        params.validate()
+    except InvalidRequestError as err:
+        raise InvalidRequestError(f"{sampling_field}{err}") from None
+    try:
+        ids = [operator.index(t) for t in prompt_token_ids]
+    except TypeError:
+        raise InvalidRequestError(f"{prompt_field} must be integers") from None
+    if not ids:
+        raise InvalidRequestError(f"{prompt_field} must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{prompt_field} must lie in [0, {vocab_size}); got {bad[0]}")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}, leaving no room to generate"
+        )
+    room = max_model_len - len(ids)
+    if max_tokens_fit and params.max_tokens > room:
+        raise InvalidRequestError(
+            f"{sampling_field}max_tokens {params.max_tokens} is over the limit: the prompt has {len(ids)} "
+            f"tokens and max_model_len is {max_model_len}, so at most {room} can be generated"
+        )
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"{sampling_field}stop_token_ids must lie in [0, {vocab_size}); got {bad[0]}"
+        )
+    return ids
 
 
 @dataclass(eq=False)

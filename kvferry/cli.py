@@ -1,4 +1,12 @@
-"""`kvferry` command line: model creation and offline generation."""
+"""`kvferry` command line.
+
+kvferry model create NAME        write a built-in model (seeded weights + tokenizer) to the cache
+kvferry generate                 offline generation in this process, or against a router (--router)
+kvferry up                       start a whole cluster: local processes, or on Ray (--ray)
+kvferry scale                    set the number of prefill / decode groups of a running cluster
+kvferry down                     stop a cluster started with --detach on Ray
+kvferry loadtest sweep           open-loop load test over request rates: goodput, plots
+"""
 
 from __future__ import annotations
 
@@ -15,7 +23,9 @@ from kvferry.model.config import ModelConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvferry", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _model_parser(sub)
     _generate_parser(sub)

@@ -1,1 +1,2 @@
-"""Open-loop locust load tests, rate sweeps, goodput and plots (built in a later issue)."""
+"""Open-loop load tests: locust users over gRPC (`locustfile.py`), Poisson arrivals, prompts, SLO
+metrics and goodput (`metrics.py`), and rate sweeps with plots (`sweep.py`, `kvferry loadtest sweep`)."""

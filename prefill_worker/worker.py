@@ -1,11 +1,8 @@
 """The prefill worker: the engine in prefill-only mode behind the PrefillWorker gRPC service.
 
-For each request: take the prompt's leading blocks from the worker's own prefix cache, pull the next
-ones the pool holds (their keys are registered in the local cache, so the scheduler simply sees a
-prefix hit), run chunked prefill over the rest, sample the first token, then copy the prompt's KV
-out of the paged cache and write the blocks the pool lacks (full blocks shared by key, the partial
-tail as the request's private block) on a transfer thread while the engine moves on. The answer is
-the first token and the location of every block. Nothing is kept per request after that.
+A Prefill call moves through the stages of `prefill_worker.handoff` (prefix lookup -> prefix pull ->
+prefilling -> KV write -> answered); the engine loop polls them between steps. Rank 0 of a
+tensor-parallel group runs all of it and has the other ranks follow (`kvferry.worker.tp`).
 """
 
 from __future__ import annotations
@@ -14,37 +11,25 @@ import concurrent.futures
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
-import torch
-import torch.distributed as dist
 
 from kvferry.convert import sampling_from_proto
-from kvferry.decode_worker.serving import EngineLoop, EngineWorker, Group, run_worker
 from kvferry.engine.engine import LLMEngine
-from kvferry.engine.model_runner import StepInputs
+from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
-from kvferry.kvpool.client import PoolClient, PoolError, from_proto, to_proto
+from kvferry.kvpool.client import PoolClient, PoolError, to_proto
 from kvferry.kvpool.transfer import pack_blocks
-from kvferry.model.parallel import Comm
-from kvferry.rpc import hard_exit
+from kvferry.prefill_worker.handoff import KVWrite, PrefillJob, PrefixLookup, PrefixPull
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.worker.group import Group
+from kvferry.worker.runtime import run_worker
+from kvferry.worker.service import EngineWorker
+from kvferry.worker.stages import Done, TransferStage
+from kvferry.worker.tp import TPLeader
 
 log = logging.getLogger(__name__)
-
-PING_S = 30.0  # an idle TP leader's keep-alive to its followers (the group timeout is 600 s)
-
-
-@dataclass
-class Job:
-    request: worker_pb2.PrefillRequest
-    arrived: float
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    req: Request | None = None
-    holder: list[int] = field(default_factory=list)  # pulled / local blocks pinned until admission
-    started: float = 0.0
-    pool_hit_blocks: int = 0
 
 
 class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
@@ -52,46 +37,29 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
-        self.jobs: dict[str, Job] = {}
-        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._keepalive, on_error=self._fail_all)
-        self._last_command = time.monotonic()
-        self._pending_puts: list[tuple[Job, dict]] = []
+        self.jobs: dict[str, PrefillJob] = {}  # admitted, not yet answered
+        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._poll, on_error=self._fail_all)
+        wake = self.loop.wake.set
+        self.lookups: TransferStage[PrefixLookup] = TransferStage("prefix lookup", self.transfers, wake)
+        self.pulls: TransferStage[PrefixPull] = TransferStage("prefix pull", self.transfers, wake)
+        self.writes: TransferStage[KVWrite] = TransferStage("KV write", self.transfers, wake, self._answer)
+        self.leader = TPLeader(self.group, engine)
         engine.finish_hook = self._capture
         kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
         self.heads = (kv.start, kv.stop)
-        if self.group.size > 1:  # tensor-parallel leader: the followers run each step with us
-            engine.runner.broadcast_step = lambda step: self._command(
-                worker_pb2.GroupCommand(step=step.to_proto())
-            )
-
-    def _command(self, cmd: worker_pb2.GroupCommand) -> None:
-        """Send a command to the group's other ranks (they execute commands in this order)."""
-        self._last_command = time.monotonic()
-        try:
-            self.group.comm.broadcast_bytes(cmd.SerializeToString())
-        except Exception:  # a rank is gone: the group cannot compute any more
-            log.exception("tensor-parallel group %s lost a rank; exiting", self.group.group_id)
-            hard_exit(1)
-
-    def _keepalive(self) -> bool:
-        """Engine thread, every loop iteration: an idle leader pings its followers now and then (they
-        wait for the next command in a collective, which would time out after the group timeout)."""
-        if self.group.size > 1 and time.monotonic() - self._last_command > PING_S:
-            self._command(worker_pb2.GroupCommand(ping=True))
-        return False
 
     def stop(self) -> None:
         super().stop()
-        # only from here once the engine thread is gone: two threads must never broadcast at once (if
-        # it is stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
-        if self.group.size > 1 and not self.loop.is_alive():
-            self._command(worker_pb2.GroupCommand(stop=True))
+        # only once the engine thread is gone: two threads must never broadcast at once (if it is
+        # stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
+        if not self.loop.is_alive():
+            self.leader.stop()
 
     def active_ids(self) -> list[str]:
         return list(self.jobs)
 
     def idle(self) -> bool:
-        return not self.jobs and not self._pending_puts
+        return not self.jobs and not (self.lookups.items or self.pulls.items or self.writes.items)
 
     def load(self) -> dict:
         sched, bm = self.engine.scheduler, self.engine.block_manager
@@ -105,10 +73,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     # -- gRPC -----------------------------------------------------------------------------------------
     def Prefill(self, request, context):
-        job = Job(request, time.perf_counter())
+        job = PrefillJob(request, time.perf_counter())
         rid = request.request_id
         context.add_callback(lambda: self.loop.submit(lambda: self._cancel(rid)))
-        self.loop.submit(lambda: self._start(job))
+        self.loop.submit(lambda: self._admit(job))
         try:
             return job.future.result()
         except InvalidRequestError as err:
@@ -123,12 +91,13 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def _stats(self) -> worker_pb2.WorkerStats:
         return super()._stats(prompt_tokens_computed=self.counters["prompt_tokens_computed"])
 
-    # -- engine thread --------------------------------------------------------------------------------
-    def _start(self, job: Job) -> None:
+    # -- engine thread: admission and the prefix stages -------------------------------------------------
+    def _admit(self, job: PrefillJob) -> None:
         request, e = job.request, self.engine
-        p = request.sampling
         # one token here, whatever the request asks: EOS and stop rules are applied by the router
-        params = replace(sampling_from_proto(p), max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+        params = replace(
+            sampling_from_proto(request.sampling), max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True
+        )
         try:
             if request.request_id in self.jobs:
                 raise InvalidRequestError(f"request_id {request.request_id!r} is already in prefill")
@@ -138,80 +107,100 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             return
         job.req, job.started = req, time.perf_counter()
         self.jobs[req.request_id] = job
-        try:
-            self._pull_prefix(job)
-        except PoolError as err:  # a pool outage costs recompute, never the request
-            log.warning("prefix pull for %s failed, computing it: %s", req.request_id, err)
-        except Exception as err:
-            log.exception("prefix pull for %s failed", req.request_id)
-            self._drop(req.request_id)
-            job.future.set_exception(err)
-            return
-        e.submit(req)
-
-    def _fail_all(self, err: Exception) -> None:
-        """A step failed: every request in the engine fails (the worker keeps serving new ones)."""
-        for request_id, job in list(self.jobs.items()):
-            self.engine.abort(request_id)
-            self._drop(request_id)
-            if not job.future.done():
-                job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
-        self.leave_group_if_broken(err)
-
-    def _pull_prefix(self, job: Job) -> None:
-        req, bm = job.req, self.engine.block_manager
-        bs = bm.block_size
-        usable = (req.num_prompt_tokens - 1) // bs  # leave one token to compute for the logits
+        bm = e.block_manager
+        usable = (req.num_prompt_tokens - 1) // bm.block_size  # leave one token to compute for the logits
         if usable == 0 or not bm.enable_caching:
+            e.submit(req)
             return
         bm.update_keys(req)
         keys = req.block_keys[:usable]
         job.holder = bm.take_cached(keys)
         rest = keys[len(job.holder) :]
-        locations = self.pool.lookup_prefix(rest) if rest else []
-        if not locations:
+        if not rest:
+            e.submit(req)
             return
-        reserved = bm.reserve(len(locations))
-        if reserved is None:
+        self.lookups.start(req.request_id, PrefixLookup(job, rest), lambda: self.pool.lookup_prefix(rest))
+
+    def _poll(self) -> bool:
+        """The engine loop's idle hook: move the requests whose transfers finished to their next stage."""
+        self.leader.keepalive()
+        moved = False
+        finished, abandoned = self.lookups.poll()
+        for done in finished:
+            self._looked_up(done)
+        finished2, abandoned2 = self.pulls.poll()
+        for done in finished2:
+            self._pulled(done)
+        for done in abandoned2:  # aborted while pulling: the group still ends the pull together
+            self.leader.pull_done(done.request_id, 0)
+            self.engine.block_manager.release(done.item.reserved)
+        finished3, _ = self.writes.poll()  # answered already (on the finishing thread)
+        for done in finished3:
+            self._drop(done.request_id)
+        moved = bool(finished or abandoned or finished2 or abandoned2 or finished3)
+        return moved
+
+    def _looked_up(self, done: Done[PrefixLookup]) -> None:
+        job, bm = done.item.job, self.engine.block_manager
+        if done.error is not None:
+            if not self._pool_failure(job, done.error, "prefix lookup"):
+                return
+            locations = []
+        else:
+            locations = done.value
+        reserved = bm.reserve(len(locations)) if locations else None
+        if reserved is None:  # nothing pooled, or no room to pull it into: compute it all
+            self.engine.submit(job.req)
             return
-        if self.group.size > 1:
-            pull = worker_pb2.GroupPull(
-                request_id=req.request_id, blocks=[to_proto(x) for x in locations], block_ids=reserved
-            )
-            self._command(worker_pb2.GroupCommand(pull=pull))
-        error, n = None, 0
-        try:
-            n = self.pool.pull_into_cache(
-                req.request_id, locations, self.engine.runner.kv_cache, reserved, *self.heads
-            )
-        except Exception as err:
-            error = err
-        n = group_min(self.group.comm, n)  # a block counts only if every rank got its slice
-        if error is not None:
-            bm.release(reserved)
-            raise error
-        for block_id, key in zip(reserved[:n], rest, strict=False):
+        rid = job.req.request_id
+        keys = done.item.keys[: len(locations)]
+        self.leader.pull(rid, locations, reserved)
+        cache = self.engine.runner.kv_cache
+        self.pulls.start(
+            rid,
+            PrefixPull(job, keys, locations, reserved),
+            lambda: self.pool.pull_into_cache(rid, locations, cache, reserved, *self.heads),
+        )
+
+    def _pulled(self, done: Done[PrefixPull]) -> None:
+        pull, bm = done.item, self.engine.block_manager
+        job = pull.job
+        n = self.leader.pull_done(done.request_id, done.value if done.error is None else 0)
+        for block_id, key in zip(pull.reserved[:n], pull.keys, strict=False):
             bm.register(block_id, key)
-        bm.release(reserved[n:])
-        job.holder += reserved[:n]
+        bm.release(pull.reserved[n:])
+        job.holder += pull.reserved[:n]
+        if done.error is not None and not self._pool_failure(job, done.error, "prefix pull"):
+            return
         job.pool_hit_blocks = n
         self.counters["blocks_pulled"] += n
+        self.engine.submit(job.req)
 
+    def _pool_failure(self, job: PrefillJob, err: BaseException, what: str) -> bool:
+        """A pool outage costs recompute, never the request (True: go on); anything else fails it."""
+        rid = job.req.request_id
+        if isinstance(err, PoolError):
+            log.warning("%s for %s failed, computing it: %s", what, rid, err)
+            return True
+        log.error("%s for %s failed: %s", what, rid, err)
+        self._drop(rid)
+        job.future.set_exception(err)
+        return False
+
+    # -- engine thread: the engine's outputs and the KV write -------------------------------------------
     def _on_outputs(self, outputs) -> None:
         bm = self.engine.block_manager
-        for job in list(self.jobs.values()):
+        for job in self.jobs.values():
             if job.holder and job.req.status != RequestStatus.WAITING:
-                bm.release(job.holder)
+                bm.release(job.holder)  # admitted: the engine holds its own references now
                 job.holder = []
         for out in outputs:
             if out.finished and out.finish_reason == "abort":
                 self._drop(out.request_id)
-        puts, self._pending_puts = self._pending_puts, []
-        for job, plan in puts:
-            self.transfers.submit(self._write_out, job, plan)
 
     def _capture(self, req: Request) -> None:
-        """Finish hook: copy the prompt's KV out before the engine frees the blocks."""
+        """The engine's finish hook (in its step): copy the prompt's KV out before the blocks are freed,
+        and start writing what the pool lacks."""
         job = self.jobs.get(req.request_id)
         if job is None:
             return
@@ -229,76 +218,54 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         block_ids = [req.block_ids[i] for i in write]
         data = pack_blocks(self.engine.runner.kv_cache, block_ids) if write else None
         node_id = None
-        if write and self.group.size > 1:  # every rank sends its slice of the blocks to one node
+        if write and self.leader.active:  # every rank sends its slice of the blocks to one node
             try:
                 node_id = self.pool.pick_node()
             except PoolError as err:
                 log.warning("no pool node for %s: %s", req.request_id, err)
-                write, keys, private, data = [], [], [], None
+                write, keys, private, block_ids, data = [], [], [], [], None
             else:
-                put = worker_pb2.GroupPut(
-                    request_id=req.request_id,
-                    node_id=node_id,
-                    keys=keys,
-                    private=private,
-                    block_ids=block_ids,
-                )
-                self._command(worker_pb2.GroupCommand(put=put))
+                self.leader.put(req.request_id, node_id, keys, private, block_ids)
         cached = req.num_cached_tokens
         pool_hits = min(job.pool_hit_blocks * bs, cached)
         self.counters["requests"] += 1
         self.counters["prompt_tokens_computed"] += req.num_prompt_tokens - cached
         self.counters["pool_hit_tokens"] += pool_hits
         self.counters["local_hit_tokens"] += cached - pool_hits
-        plan = {
-            "first_token": req.output_token_ids[-1],
-            "locations": locations + [None] * tail,
-            "write": write,
-            "keys": keys,
-            "private": private,
-            "data": data,
-            "node_id": node_id,
-            "cached": cached,
-            "pool_cached": pool_hits,
-            "computed": req.num_prompt_tokens - cached,
-            "prefill_done": time.perf_counter(),
-        }
-        self._pending_puts.append((job, plan))
+        kv = KVWrite(
+            job=job,
+            first_token=req.output_token_ids[-1],
+            locations=locations + [None] * tail,
+            write=write,
+            keys=keys,
+            private=private,
+            block_ids=block_ids,
+            data=data,
+            node_id=node_id,
+            cached_tokens=cached,
+            pool_cached_tokens=pool_hits,
+            computed_tokens=req.num_prompt_tokens - cached,
+            prefill_done=time.perf_counter(),
+        )
+        self.writes.start(req.request_id, kv, lambda: self._put(kv))
 
-    def _write_out(self, job: Job, plan: dict) -> None:
-        """Transfer thread: send the blocks; the pool's reply completes the request (see _answer)."""
-        started = time.perf_counter()
-        if not plan["write"]:
-            self._answer(job, plan, [], started)
-            return
-        try:
-            pending = self.pool.put_async(
-                job.req.request_id,
-                plan["keys"],
-                plan["data"],
-                plan["private"],
-                plan["node_id"],
-                *self.heads,
-            )
-        except Exception as err:  # whatever went wrong, the request is answered (its KV will be recomputed)
-            log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
-            self._answer(job, plan, [None] * len(plan["write"]), started)
-            return
-        plan["data"] = None  # sent: the copy can go
+    def _put(self, kv: KVWrite):
+        """Transfer thread: send the blocks; returns the future of the pool's reply (or the reply)."""
+        kv.put_started = time.perf_counter()
+        if not kv.write:
+            return []
+        data, kv.data = kv.data, None  # sent once the call returns: the copy can go
+        return self.pool.put_async(kv.job.req.request_id, kv.keys, data, kv.private, kv.node_id, *self.heads)
 
-        def done(future) -> None:
-            try:
-                stored = future.result()
-            except Exception as err:
-                log.warning("writing KV of %s to the pool failed: %s", job.req.request_id, err)
-                stored = [None] * len(plan["write"])
-            self._answer(job, plan, stored, started)
-
-        pending.add_done_callback(done)
-
-    def _answer(self, job: Job, plan: dict, stored: list, started: float) -> None:
-        req, locations = job.req, plan["locations"]
-        for i, loc in zip(plan["write"], stored, strict=True):
+    def _answer(self, done: Done[KVWrite]) -> None:
+        """The KV write finished (on the transfer or the pool client's thread): answer the call now."""
+        kv = done.item
+        req, locations = kv.job.req, kv.locations
+        stored = done.value
+        if done.error is not None:  # whatever went wrong, the request is answered (decode recomputes)
+            log.warning("writing KV of %s to the pool failed: %s", req.request_id, done.error)
+            stored = [None] * len(kv.write)
+        for i, loc in zip(kv.write, stored, strict=True):
             locations[i] = loc
         self.counters["blocks_put"] += sum(loc is not None for loc in stored)
         prefix = []
@@ -308,26 +275,39 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             prefix.append(loc)
         bs = self.engine.cfg.block_size
         reply = worker_pb2.PrefillResponse(
-            first_token_id=plan["first_token"],
+            first_token_id=kv.first_token,
             blocks=[to_proto(loc) for loc in prefix],
             num_kv_tokens=min(len(prefix) * bs, req.num_prompt_tokens),
-            cached_tokens=plan["cached"],
-            pool_cached_tokens=plan["pool_cached"],
-            computed_tokens=plan["computed"],
-            queue_ms=(job.started - job.arrived) * 1e3,
-            prefill_ms=(plan["prefill_done"] - job.started) * 1e3,
-            kv_put_ms=(time.perf_counter() - started) * 1e3,
+            cached_tokens=kv.cached_tokens,
+            pool_cached_tokens=kv.pool_cached_tokens,
+            computed_tokens=kv.computed_tokens,
+            queue_ms=(kv.job.started - kv.job.arrived) * 1e3,
+            prefill_ms=(kv.prefill_done - kv.job.started) * 1e3,
+            kv_put_ms=(time.perf_counter() - (kv.put_started or kv.prefill_done)) * 1e3,
         )
-        self.loop.submit(lambda: self._drop(req.request_id))
         try:
-            job.future.set_result(reply)
+            kv.job.future.set_result(reply)
         except concurrent.futures.InvalidStateError:  # cancelled meanwhile: free its private tail
             self.pool.release(req.request_id)
+
+    # -- engine thread: failures and cancellation -------------------------------------------------------
+    def _fail_all(self, err: Exception) -> None:
+        """A step failed: every request in the engine fails (the worker keeps serving new ones)."""
+        for request_id, job in list(self.jobs.items()):
+            if request_id in self.lookups or request_id in self.pulls or request_id in self.writes:
+                continue  # not in the failed step
+            self.engine.abort(request_id)
+            self._drop(request_id)
+            if not job.future.done():
+                job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
+        self.leave_group_if_broken(err)
 
     def _cancel(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job is None or job.future.done():
             return
+        self.lookups.discard(request_id)
+        self.pulls.discard(request_id)  # its reserved blocks are freed when the pull ends (_poll)
         self.engine.abort(request_id)
         self._drop(request_id)
         job.future.cancel()
@@ -339,62 +319,6 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job.holder = []
 
 
-def group_min(comm: Comm, value: int) -> int:
-    return int(comm.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, cpu=True).item())
-
-
-def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
-    """A tensor-parallel rank > 0: run rank 0's commands (forward passes, KV pulls and puts of this
-    rank's KV-head slice) in the order they come, until told to stop."""
-    comm, runner = group.comm, engine.runner
-    shard = engine.model.shard
-    heads = (shard.kv_heads.start, shard.kv_heads.stop)
-    transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-follower")
-    log.info("rank %d of group %s following (KV heads %s)", group.rank, group.group_id, heads)
-    while True:
-        try:
-            cmd = worker_pb2.GroupCommand.FromString(comm.broadcast_bytes(None))
-        except Exception:
-            log.exception("lost rank 0 of group %s", group.group_id)
-            return
-        kind = cmd.WhichOneof("kind")
-        if kind == "step":
-            try:
-                runner.execute(StepInputs.from_proto(cmd.step))
-            except Exception:  # rank 0 is now out of step with us: the group is broken
-                log.exception("forward pass failed on rank %d of group %s", group.rank, group.group_id)
-                hard_exit(1)
-        elif kind == "pull":
-            p, n = cmd.pull, 0
-            try:
-                locations = [from_proto(x) for x in p.blocks]
-                n = pool.pull_into_cache(p.request_id, locations, runner.kv_cache, list(p.block_ids), *heads)
-            except Exception as err:
-                log.warning("pulling KV slice of %s failed: %s", p.request_id, err)
-            group_min(comm, n)
-        elif kind == "put" and shard.writes_kv:
-            p = cmd.put
-            data = pack_blocks(runner.kv_cache, list(p.block_ids))  # now: the blocks are reused next step
-            transfers.submit(_put_slice, pool, p, data, heads)
-        elif kind == "stop":
-            transfers.shutdown(wait=True)
-            return
-        # "ping": nothing to do
-
-
-def _put_slice(pool: PoolClient, p: worker_pb2.GroupPut, data, heads) -> None:
-    def done(future) -> None:
-        if future.exception() is not None:
-            log.warning("writing KV slice of %s failed: %s", p.request_id, future.exception())
-
-    try:
-        pool.put_async(
-            p.request_id, list(p.keys), data, list(p.private), p.node_id, *heads
-        ).add_done_callback(done)
-    except Exception as err:
-        log.warning("writing KV slice of %s failed: %s", p.request_id, err)
-
-
 def main(argv: list[str] | None = None) -> int:
     return run_worker(
         "prefill",
@@ -402,5 +326,4 @@ def main(argv: list[str] | None = None) -> int:
         lambda servicer, server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
         worker_pb2.DESCRIPTOR,
         argv,
-        follow=follow,
     )

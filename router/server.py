@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 import time
 import uuid
@@ -27,7 +26,13 @@ from grpc_reflection.v1alpha import reflection
 
 from kvferry.convert import sampling_from_proto, sampling_to_proto
 from kvferry.engine.output import OutputState
-from kvferry.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from kvferry.engine.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    validate_request,
+)
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.model.create import resolve_model
@@ -121,37 +126,16 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError("prompt.text encodes to no tokens")
         else:
             ids = list(request.token_ids.ids)
-            if not ids:
-                raise InvalidRequestError("prompt.token_ids must not be empty")
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt.token_ids must lie in [0, {model.vocab_size}); got {bad[0]}"
-                )
-        if len(ids) >= model.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; max_model_len is {model.max_model_len}, leaving no room to "
-                "generate"
-            )
-        p = request.sampling
-        if p.HasField("temperature") and not math.isfinite(p.temperature):
-            raise InvalidRequestError(f"sampling.temperature must be finite, got {p.temperature}")
-        params = sampling_from_proto(p)
-        try:
-            params.validate()
-        except InvalidRequestError as err:
-            raise InvalidRequestError(f"sampling.{err}") from None
-        room = model.max_model_len - len(ids)
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                f"sampling.max_tokens {params.max_tokens} is over the limit: the prompt has {len(ids)} "
-                f"tokens and max_model_len is {model.max_model_len}, so at most {room} can be generated"
-            )
-        bad = [t for t in params.stop_token_ids if not 0 <= t < model.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"sampling.stop_token_ids must lie in [0, {model.vocab_size}); got {bad[0]}"
-            )
+        params = sampling_from_proto(request.sampling)
+        ids = validate_request(
+            ids,
+            params,
+            model.vocab_size,
+            model.max_model_len,
+            prompt_field="prompt.token_ids",
+            sampling_field="sampling.",
+            max_tokens_fit=True,
+        )
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")

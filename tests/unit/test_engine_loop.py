@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvferry.decode_worker.serving import EngineLoop
+from kvferry.engine.loop import EngineLoop
 
 
 class FlakyEngine:

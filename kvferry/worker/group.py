@@ -1,0 +1,87 @@
+"""A worker group: one prefill (tensor-parallel) or decode (expert-parallel) replica of 1..N ranks.
+
+Rank 0 hosts the group's TCPStore and, started alone, spawns the other ranks itself (this command
+again with `--rank r --dist-init HOST:PORT`); an external launcher (Ray) starts every rank with those
+flags instead. Every rank then joins the group's process group (`init_group`: gloo on CPU, NCCL with
+a gloo side group on GPU). A lone worker is a group of one and forms nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from kvferry.engine.engine import EngineConfig
+from kvferry.model.parallel import Comm, init_group
+from kvferry.proc import die_with_parent, free_port, terminate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """This process's place in its worker group (a lone worker is a group of one)."""
+
+    group_id: str
+    rank: int
+    size: int
+    comm: Comm
+    children: list[subprocess.Popen] = field(default_factory=list)
+    store: object = None  # the group's TCPStore (hosted by rank 0: kept alive with the group)
+
+    @classmethod
+    def single(cls, group_id: str) -> Group:
+        return cls(group_id, 0, 1, Comm.single())
+
+    def member_id(self) -> str:
+        return self.group_id if self.size == 1 else f"{self.group_id}.r{self.rank}"
+
+    def stop_children(self, timeout_s: float = 10.0) -> None:
+        terminate(self.children, timeout_s)
+
+
+def form_group(
+    args, cfg: EngineConfig, role: str, group_id: str, argv: list[str]
+) -> tuple[Group, EngineConfig]:
+    """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
+    size = cfg.tensor_parallel_size * cfg.expert_parallel_size
+    if size == 1:
+        return Group.single(group_id), cfg
+    rank = args.rank or 0
+    if not 0 <= rank < size:
+        raise SystemExit(f"--rank {rank} is outside a group of {size}")
+    if cfg.device in ("auto", "cuda") and torch.cuda.is_available():  # one GPU per rank
+        cfg = replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
+    children = []
+    if args.dist_init:
+        host, _, port = args.dist_init.rpartition(":")
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, wait_for_workers=False)
+    else:
+        if args.rank:
+            raise SystemExit("--rank > 0 needs --dist-init HOST:PORT (rank 0's group store)")
+        store = dist.TCPStore(args.host, free_port(args.host), size, is_master=True, wait_for_workers=False)
+        init = f"{args.host}:{store.port}"
+        for r in range(1, size):  # the other ranks: this command again, with their rank
+            cmd = [sys.executable, "-m", f"kvferry.{role}_worker", *argv, "--worker-id", group_id]
+            cmd += ["--port", "0", "--rank", str(r), "--dist-init", init]
+            # SIGKILL: a rank is of no use without rank 0 (and TP followers ignore SIGTERM)
+            children.append(
+                subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL), stdin=subprocess.DEVNULL)
+            )
+    device = torch.device(cfg.device if cfg.device != "auto" else "cpu")
+    log.info("joining group %s as rank %d of %d", group_id, rank, size)
+    comm = init_group(store, group_id, rank, size, device, args.host)
+    return Group(group_id, rank, size, comm, children, store), cfg
+
+
+def group_min(comm: Comm, value: int) -> int:
+    """The smallest `value` over the group's ranks (a group of one: `value`)."""
+    if comm.size == 1:
+        return value
+    return int(comm.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, cpu=True).item())

@@ -1,0 +1,127 @@
+"""The base of both worker services: the engine thread, the transfer thread, counters, info and stats.
+
+The engine is single-threaded: gRPC handler threads never touch it, they hand closures to the
+`EngineLoop` inbox, and the loop runs them between steps. KV transfers (pool lookups, pulls, writes)
+run on one transfer thread per worker; their hand-off stages (`kvferry.worker.stages`) are polled by
+the engine loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter
+
+from kvferry.engine.engine import LLMEngine
+from kvferry.engine.loop import EngineLoop
+from kvferry.kvpool.client import PoolClient
+from kvferry.kvpool.transfer import BlockLayout, dtype_name
+from kvferry.rpc import hard_exit
+from kvferry.v1 import worker_pb2
+from kvferry.worker.group import Group
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """What both worker services share: the engine thread, one KV transfer thread, counters, info/stats.
+
+    Subclasses set `role`, create `self.loop` (an EngineLoop whose `idle_hook` polls their hand-off
+    stages), list the requests they hold in `active_ids()` and say when nothing is held (`idle`).
+    """
+
+    role = ""
+
+    def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
+        self.engine = engine
+        self.pool = pool
+        self.worker_id = worker_id
+        self.group = group or Group.single(worker_id)
+        self.counters: Counter[str] = Counter()
+        self.transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-{self.role}")
+        self.loop: EngineLoop
+        self.draining = False  # takes no new requests (the registry says so); finishes the ones it has
+        self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT, or by a draining group mate
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.loop.join(5)
+        self.transfers.shutdown(wait=True)
+
+    def active_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        """No request is held here any more (a drain can end)."""
+        raise NotImplementedError
+
+    def leave_group_if_broken(self, err: Exception) -> None:
+        """After a failed step, a rank of a multi-rank group cannot know where the other ranks stand
+        in their collectives: it exits (the others then fail fast and exit too; the router stops
+        routing to the group when its heartbeats stop). A lone worker just goes on."""
+        if self.group.size == 1:
+            return
+        log.error(
+            "step failed in group %s (rank %d): leaving the group: %s",
+            self.group.group_id,
+            self.group.rank,
+            err,
+        )
+        time.sleep(0.5)  # let the handler threads send the failed requests their errors
+        self.group.stop_children(timeout_s=2)
+        hard_exit(1)
+
+    def GetWorkerInfo(self, request, context):
+        return worker_info(self.engine, self.role, self.worker_id)
+
+    def GetStats(self, request, context):
+        return self.loop.call(self._stats)
+
+    def _stats(self, **extra) -> worker_pb2.WorkerStats:
+        """The counters and engine figures every worker reports (runs on the engine thread)."""
+        e, c = self.engine, self.counters
+        return worker_pb2.WorkerStats(
+            requests=c["requests"],
+            pool_hit_tokens=c["pool_hit_tokens"],
+            local_hit_tokens=c["local_hit_tokens"],
+            blocks_put=c["blocks_put"],
+            blocks_pulled=c["blocks_pulled"],
+            recomputed_tokens=c["recomputed_tokens"],
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            free_blocks=e.block_manager.num_free_blocks,
+            total_blocks=e.block_manager.num_blocks,
+            active_request_ids=sorted(self.active_ids()),
+            steps=e.num_steps,
+            group=self.group.group_id,
+            rank=self.group.rank,
+            tensor_parallel_size=e.cfg.tensor_parallel_size,
+            expert_parallel_size=e.cfg.expert_parallel_size,
+            **extra,
+        )
+
+
+def kv_layout(engine: LLMEngine) -> BlockLayout:
+    return BlockLayout.for_model(engine.model.cfg, engine.cfg.block_size, engine.kv_dtype)
+
+
+def worker_info(engine: LLMEngine, role: str, worker_id: str) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        role=role,
+        worker_id=worker_id,
+        model=str(engine.model_dir),
+        dtype=dtype_name(engine.dtype),
+        fingerprint=engine.fingerprint.hex(),
+        block_size=engine.cfg.block_size,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model.cfg.vocab_size,
+        eos_token_ids=list(engine.eos_ids),
+    )

@@ -1,0 +1,77 @@
+"""The prefill side of the KV hand-off: what a request carries through each stage.
+
+    admitted -> prefix lookup -> prefix pull -> prefilling -> KV write -> answered
+               (pool metadata)  (pool -> cache)  (the engine)  (cache -> pool)
+
+- **prefix lookup** (`PrefixLookup`, transfer thread): which of the prompt's full blocks, past the
+  ones the worker's own prefix cache holds, the pool has (one Redis lookup).
+- **prefix pull** (`PrefixPull`, transfer thread): those blocks land in cache blocks reserved for
+  them; they are registered in the local prefix cache, so the scheduler simply sees a prefix hit.
+- **prefilling**: the request is in the engine (chunked prefill; one token sampled).
+- **KV write** (`KVWrite`, transfer thread): when the engine finishes the request, its prompt KV is
+  copied out of the paged cache (before the blocks are freed) and the blocks the pool lacks are
+  written: full blocks shared by key, the partial tail as the request's private block. The pool's
+  reply answers the request at once (`PrefillJob.future`), with the first token and every block's
+  location.
+
+Each stage is a `kvferry.worker.stages.TransferStage` the engine loop polls; nothing is kept per
+request after the answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.engine.request import Request
+from kvferry.kvpool.metadata import Location
+from kvferry.v1 import worker_pb2
+
+
+@dataclass
+class PrefillJob:
+    """One Prefill call, from admission to its answer."""
+
+    request: worker_pb2.PrefillRequest
+    arrived: float
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    req: Request | None = None
+    holder: list[int] = field(default_factory=list)  # local + pulled blocks, pinned until admission
+    started: float = 0.0
+    pool_hit_blocks: int = 0
+
+
+@dataclass
+class PrefixLookup:
+    job: PrefillJob
+    keys: list[bytes]  # full-block keys past the local prefix-cache hits
+
+
+@dataclass
+class PrefixPull:
+    job: PrefillJob
+    keys: list[bytes]  # the keys of `locations`, in order
+    locations: list[Location]
+    reserved: list[int]  # cache blocks they land in
+
+
+@dataclass
+class KVWrite:
+    """The prompt's KV on its way to the pool, and everything the answer reports."""
+
+    job: PrefillJob
+    first_token: int
+    locations: list[Location | None]  # per prompt block: where the pool holds it (None: not yet)
+    write: list[int]  # prompt blocks to send (the pool lacks them)
+    keys: list[bytes]  # their keys (the private tail: a random one)
+    private: list[bool]
+    block_ids: list[int]
+    data: torch.Tensor | None  # the blocks' bytes, copied out of the paged cache
+    node_id: str | None  # a tensor-parallel group writes every rank's slice to one node
+    cached_tokens: int
+    pool_cached_tokens: int
+    computed_tokens: int
+    prefill_done: float
+    put_started: float = 0.0
