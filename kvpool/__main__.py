@@ -1,5 +1,48 @@
+"""`python -m kvferry.kvpool`: the command line that runs one pool node (`node.PoolNode`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
 import sys
+import threading
 
-from kvferry.kvpool.node import main
+from kvferry.kvpool.node import PoolNode, PoolNodeConfig
+from kvferry.kvpool.transfer import BlockLayout
+from kvferry.rpc import hard_exit
 
-sys.exit(main())
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvferry.kvpool", description="run one KV pool node")
+    p.add_argument("--node-id", default="")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--store-port", type=int, default=0)
+    p.add_argument("--num-slots", type=int, default=1024)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--layout", required=True, help="num_layers,num_kv_heads,block_size,head_dim,dtype")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pool %(levelname)s %(message)s")
+    layout = BlockLayout.from_list(args.layout.split(","))
+    cfg = PoolNodeConfig(
+        node_id=args.node_id,
+        host=args.host,
+        port=args.port,
+        store_port=args.store_port,
+        num_slots=args.num_slots,
+        device=args.device,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    PoolNode(cfg, layout).serve(stop)
+    hard_exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

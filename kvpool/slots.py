@@ -1,0 +1,429 @@
+"""A pool node's slot table: which slab slot holds which block, in what state, read or written by whom.
+
+Pure bookkeeping: no tensors, no torch.distributed, no gRPC, no Redis, no threads. Not thread-safe:
+the caller serializes every call (`PoolNode` holds its one lock around each, and keeps the Condition a
+put's reply waits on). Time comes from `clock` (default `time.monotonic`), so tests can drive the TTLs.
+
+Slot life: FREE -> WRITING (a put reserved it; not visible) -> PUBLISHED (complete: every KV head
+written; its location goes to Redis) or PRIVATE (a request's tail block, never published) -> FREE.
+A slot's generation rises each time it is allocated, and a get names (slot, generation, key): a stale
+location (the slot was evicted and reused) is refused, so lost or old metadata means a miss, never
+wrong KV. `writers` (puts whose bytes are landing) and `leases` (gets sending from it) pin a slot: it
+is neither freed nor evicted while either is non-zero. Eviction is LRU over published, unpinned slots.
+Private blocks are freed after their first whole (all KV heads) read, on `release`, or after
+`private_ttl_s`; a WRITING slot whose other KV-head slices never come is freed `assemble_timeout_s`
+after its last writer finished.
+
+Kept alongside the slots, and updated with every state change:
+- `free`: FREE slots, in allocation order.
+- `lru`: PUBLISHED slots nobody writes or reads, oldest first: the eviction order.
+- `index`: key -> the slot holding its newest shared copy (WRITING or PUBLISHED); a private key is
+  indexed only while being written (so the other ranks' slices of it join the same slot).
+- `by_request`: request id -> its private and unfinished slots (WRITING or PRIVATE): `release` looks
+  at those only.
+- an expiry heap of (expires, slot, generation), pushed whenever an unpinned slot may expire (a
+  PRIVATE block, or a WRITING one whose writers are all done) and checked lazily against the slot when
+  it comes due: `expire` pops only what is due instead of walking every slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvferry.kvpool.metadata import Location
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    PUBLISHED = 2
+    PRIVATE = 3
+
+
+@dataclass(slots=True)
+class Slot:
+    index: int
+    state: SlotState = SlotState.FREE
+    key: bytes = b""
+    generation: int = 0
+    heads_written: int = 0  # bitmask of KV heads received so far (a TP put brings one slice per rank)
+    writers: int = 0  # puts whose bytes are landing here now: the slot is neither freed nor evictable
+    leases: int = 0
+    request_id: str = ""  # owner of a private block
+    expires: float = 0.0
+
+
+class BlockRef(Protocol):
+    """A location named by a reader: a `Location`, or a `pool_pb2.BlockLocation` message."""
+
+    key: bytes
+    node_id: str
+    slot: int
+    generation: int
+
+
+@dataclass
+class PutPlan:
+    """The slots one put writes into, from `begin_write`; hand it back to finish or abort the write."""
+
+    request_id: str
+    keys: list[bytes]
+    private: list[bool]
+    slots: list[int | None] = field(default_factory=list)  # per block; None: nothing is written
+    generations: list[int | None] = field(default_factory=list)  # of those slots, when reserved
+    evicted: list[Location] = field(default_factory=list)  # to unpublish: their slots were reused
+    republish: list[Location] = field(default_factory=list)  # keys complete here already
+
+    @property
+    def rows(self) -> list[int]:
+        """Positions of the blocks that land in a slot (the others' bytes are dropped on arrival)."""
+        return [i for i, slot in enumerate(self.slots) if slot is not None]
+
+
+class SlotTable:
+    def __init__(
+        self,
+        num_slots: int,
+        num_kv_heads: int,
+        node_id: str,
+        *,
+        private_ttl_s: float = 120.0,
+        assemble_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.node_id = node_id
+        self.all_heads = (1 << num_kv_heads) - 1
+        self.num_kv_heads = num_kv_heads
+        self.private_ttl_s = private_ttl_s
+        self.assemble_timeout_s = assemble_timeout_s
+        self.clock = clock
+        self.slots = [Slot(i) for i in range(num_slots)]
+        self.free: deque[int] = deque(range(num_slots))
+        self.lru: OrderedDict[int, None] = OrderedDict()  # published, unpinned: eviction order
+        self.index: dict[bytes, int] = {}  # key -> slot (WRITING or PUBLISHED)
+        self.by_request: dict[str, set[int]] = {}  # request id -> its WRITING / PRIVATE slots
+        self.leases: Counter[str] = Counter()  # request id -> blocks it has leased now
+        self.counters: Counter[str] = Counter()  # evictions, stale_gets, blocks_in, blocks_out
+        self.states: Counter[SlotState] = Counter({SlotState.FREE: num_slots})
+        self._expiry: list[tuple[float, int, int]] = []  # (expires, slot, generation), lazily deleted
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def available(self) -> int:
+        """Slots a put can take now: free ones plus the evictable."""
+        return len(self.free) + len(self.lru)
+
+    def location(self, slot: Slot) -> Location:
+        return Location(slot.key, self.node_id, slot.index, slot.generation)
+
+    def existing(self, key: bytes) -> Slot | None:
+        """The slot `index` names for `key` (its newest shared copy, or a private one being written)."""
+        index = self.index.get(key)
+        return None if index is None else self.slots[index]
+
+    # -- writes --------------------------------------------------------------------------------------
+    def begin_write(
+        self, request_id: str, keys: Sequence[bytes], private: Sequence[bool] | None = None
+    ) -> PutPlan:
+        """Reserve a slot per block and pin it (`writers`) until `finish_write` or `abort_write`.
+
+        A key being written already (another rank's KV-head slice of it) is joined, not re-made; one
+        published here already gets no slot (`republish` names it: a writer found it missing in Redis);
+        another request's private block is never written into. A new slot comes from the free list, else
+        by evicting the least recently used published block (`evicted`); None when every slot is pinned.
+        """
+        now = self.clock()
+        private = [False] * len(keys) if private is None else list(private)
+        plan = PutPlan(request_id, list(keys), private)
+        for key, is_private in zip(plan.keys, private, strict=True):
+            slot = self.existing(key)
+            if slot is not None and is_private and slot.request_id != request_id:
+                slot = None  # never write into another request's private block
+            if slot is not None and slot.state == SlotState.PUBLISHED:
+                plan.slots.append(None)  # already complete here: drop the bytes on arrival
+                plan.generations.append(None)
+                plan.republish.append(self.location(slot))
+                continue
+            if slot is None:
+                slot = self._allocate(plan.evicted)
+                if slot is not None:
+                    slot.key = key
+                    self._set_state(slot, SlotState.WRITING)
+                    slot.request_id = request_id if is_private else ""
+                    if slot.request_id:
+                        self.by_request.setdefault(slot.request_id, set()).add(slot.index)
+                    self.index[key] = slot.index  # private keys: only while being written
+                    # pinned: nothing expires it before its writers are done (`finish_write` resets it)
+                    slot.expires = now + self.private_ttl_s
+            if slot is not None:
+                slot.writers += 1  # pinned (no release, no eviction) until this put is done
+            plan.slots.append(None if slot is None else slot.index)
+            plan.generations.append(None if slot is None else slot.generation)
+        return plan
+
+    def finish_write(
+        self, plan: PutPlan, head_begin: int = 0, head_end: int | None = None
+    ) -> tuple[list[Location], bool]:
+        """The put's KV heads [head_begin, head_end) landed in its slots: unpin them, and complete every
+        block that now has all its heads (PRIVATE for a private block, else PUBLISHED and evictable once
+        unpinned). A block still missing slices may expire `assemble_timeout_s` after its last writer.
+        Returns (locations to publish: the completed blocks then `plan.republish`, whether any block
+        was completed: a put waiting on `pending` may be done)."""
+        head_end = self.num_kv_heads if head_end is None else head_end
+        mask = ((1 << head_end) - 1) ^ ((1 << head_begin) - 1)
+        now = self.clock()
+        publish: list[Location] = []
+        assembled = False
+        for is_private, index in zip(plan.private, plan.slots, strict=True):
+            if index is None:
+                continue
+            slot = self.slots[index]
+            slot.writers -= 1
+            slot.heads_written |= mask
+            if slot.heads_written == self.all_heads and slot.state == SlotState.WRITING:
+                assembled = True
+                if is_private:
+                    self._set_state(slot, SlotState.PRIVATE)
+                    self._set_expiry(slot, now + self.private_ttl_s)  # from completion
+                    if self.index.get(slot.key) == slot.index:
+                        del self.index[slot.key]
+                else:
+                    self._set_state(slot, SlotState.PUBLISHED)
+                    self._untrack(slot)
+                    publish.append(self.location(slot))
+            if slot.state == SlotState.PUBLISHED and slot.writers == 0 and slot.leases == 0:
+                self.lru[slot.index] = None  # evictable only once nobody writes or reads it
+            if slot.state == SlotState.WRITING and slot.writers == 0:
+                self._set_expiry(slot, now + self.assemble_timeout_s)  # for the other slices
+        self.counters["blocks_in"] += len(plan.rows)
+        return publish + plan.republish, assembled
+
+    def abort_write(self, plan: PutPlan) -> int:
+        """The put's bytes never (all) came: unpin its slots, freeing those left WRITING with no other
+        writer (no complete copy can come of them now). Returns how many slots were freed."""
+        released = 0
+        for index in plan.slots:
+            if index is None:
+                continue
+            slot = self.slots[index]
+            slot.writers -= 1
+            if slot.writers == 0 and slot.state == SlotState.WRITING:
+                self._release(slot)
+                released += 1
+            elif slot.writers == 0 and slot.state == SlotState.PUBLISHED and slot.leases == 0:
+                self.lru[slot.index] = None
+        return released
+
+    def pending(self, plan: PutPlan) -> bool:
+        """Whether a block of the put still waits for another rank's KV-head slice (its slot is still
+        WRITING at the generation the put reserved)."""
+        return any(
+            index is not None
+            and self.slots[index].state == SlotState.WRITING
+            and self.slots[index].generation == gen
+            for index, gen in zip(plan.slots, plan.generations, strict=True)
+        )
+
+    def locations_for(self, plan: PutPlan) -> list[Location | None]:
+        """The put's answer, per block: where its complete copy is, or None (not stored, or never
+        completed). A block that got no slot is answered with the key's complete copy here, if any."""
+        out: list[Location | None] = []
+        for key, index, gen in zip(plan.keys, plan.slots, plan.generations, strict=True):
+            slot = self.existing(key) if index is None else self.slots[index]
+            complete = (
+                slot is not None
+                and slot.state in (SlotState.PUBLISHED, SlotState.PRIVATE)
+                and slot.key == key
+                and gen in (None, slot.generation)
+            )
+            out.append(self.location(slot) if complete else None)
+        return out
+
+    # -- reads ---------------------------------------------------------------------------------------
+    def lease(self, request_id: str, blocks: Iterable[BlockRef]) -> tuple[list[int], Location | None]:
+        """Lease the slots of `blocks` for a get, in order, stopping at the first stale one (its slot no
+        longer holds that key at that generation, complete). Returns (leased slot indices, the stale
+        location to unpublish when it names this node, else None)."""
+        leased: list[int] = []
+        stale: Location | None = None
+        for loc in blocks:
+            slot = self.slots[loc.slot] if 0 <= loc.slot < len(self.slots) else None
+            if (
+                slot is None
+                or slot.key != loc.key
+                or slot.generation != loc.generation
+                or slot.state not in (SlotState.PUBLISHED, SlotState.PRIVATE)
+            ):
+                self.counters["stale_gets"] += 1
+                if slot is not None and loc.node_id == self.node_id:  # drop the stale entry
+                    stale = Location(loc.key, loc.node_id, loc.slot, loc.generation)
+                break
+            slot.leases += 1
+            self.lru.pop(slot.index, None)
+            leased.append(slot.index)
+        self.leases[request_id] += len(leased)
+        return leased, stale
+
+    def end_lease(self, request_id: str, leased: Sequence[int], whole: bool) -> int:
+        """The get that leased `leased` is over. A private block is freed after a `whole` (every KV
+        head) read (readers of head slices leave it to `release` / the TTL, not knowing who else needs
+        it); a published one becomes the most recently used. Returns how many slots were freed."""
+        self.leases[request_id] -= len(leased)
+        if self.leases[request_id] <= 0:
+            del self.leases[request_id]
+        released = 0
+        for index in leased:
+            slot = self.slots[index]
+            slot.leases -= 1
+            if slot.state == SlotState.PRIVATE:
+                if whole and slot.leases == 0 and slot.writers == 0:
+                    self._release(slot)
+                    released += 1
+            elif slot.state == SlotState.PUBLISHED and slot.leases == 0 and slot.writers == 0:
+                self.lru[slot.index] = None
+                self.lru.move_to_end(slot.index)
+        self.counters["blocks_out"] += len(leased)
+        return released
+
+    # -- housekeeping --------------------------------------------------------------------------------
+    def release(self, request_id: str) -> int:
+        """Free the request's private and unfinished blocks that nobody reads or writes now."""
+        released = 0
+        for index in list(self.by_request.get(request_id, ())):
+            slot = self.slots[index]
+            if slot.leases == 0 and slot.writers == 0:
+                self._release(slot)
+                released += 1
+        return released
+
+    def expire(self) -> int:
+        """Free the unpinned private blocks older than `private_ttl_s` (from completion) and the
+        WRITING slots still missing slices `assemble_timeout_s` after their last writer. Returns how
+        many were freed."""
+        now = self.clock()
+        released, pinned, seen = 0, [], set()
+        while self._expiry and self._expiry[0][0] < now:
+            entry = heapq.heappop(self._expiry)
+            expires, index, generation = entry
+            slot = self.slots[index]
+            if (
+                index in seen
+                or slot.generation != generation
+                or slot.expires != expires
+                or slot.state not in (SlotState.PRIVATE, SlotState.WRITING)
+            ):
+                continue  # superseded: the slot was freed, reused, completed or given a new deadline
+            seen.add(index)
+            if not (slot.request_id or slot.state == SlotState.WRITING):
+                continue  # a private block of no request: only a whole read frees it
+            if slot.leases or slot.writers:
+                pinned.append(entry)  # due, but in use: looked at again on the next sweep
+                continue
+            self._release(slot)
+            released += 1
+        for entry in pinned:
+            heapq.heappush(self._expiry, entry)
+        return released
+
+    def published_locations(self) -> list[Location]:
+        """Every complete shared block here (to republish when Redis comes back empty)."""
+        return [self.location(s) for s in self.slots if s.state == SlotState.PUBLISHED]
+
+    def stats(self) -> dict:
+        return {
+            "num_slots": len(self.slots),
+            "used_slots": len(self.slots) - len(self.free),
+            "free_slots": self.available(),
+            "writing": self.states[SlotState.WRITING],
+            "published": self.states[SlotState.PUBLISHED],
+            "private_blocks": self.states[SlotState.PRIVATE],
+            "leases": dict(self.leases),
+            "blocks_in": self.counters["blocks_in"],
+            "blocks_out": self.counters["blocks_out"],
+            "evictions": self.counters["evictions"],
+            "stale_gets": self.counters["stale_gets"],
+        }
+
+    def check(self) -> None:
+        """Assert that every side structure agrees with the slots (a full scan: for tests)."""
+        slots = self.slots
+        assert sorted(self.free) == [s.index for s in slots if s.state == SlotState.FREE], "free list"
+        assert all(
+            slots[i].state == SlotState.PUBLISHED and slots[i].leases == slots[i].writers == 0
+            for i in self.lru
+        ), "lru holds a pinned or unpublished slot"
+        assert all(
+            s.index in self.lru
+            for s in slots
+            if s.state == SlotState.PUBLISHED and s.leases == s.writers == 0
+        ), "an unpinned published slot is not evictable"
+        for key, i in self.index.items():
+            assert slots[i].key == key and slots[i].state in (SlotState.WRITING, SlotState.PUBLISHED), key
+        assert all(self.by_request.values()), "an empty request entry is kept"
+        tracked = {(r, i) for r, ids in self.by_request.items() for i in ids}
+        owned = {
+            (s.request_id, s.index)
+            for s in slots
+            if s.request_id and s.state in (SlotState.WRITING, SlotState.PRIVATE)
+        }
+        assert tracked == owned, f"by_request {tracked} != {owned}"
+        assert +self.states == Counter(s.state for s in slots), "state counts"
+        due = {(e, i, g) for e, i, g in self._expiry}
+        for s in slots:
+            expirable = s.state == SlotState.WRITING or (s.state == SlotState.PRIVATE and s.request_id)
+            if expirable and s.leases == s.writers == 0:
+                assert (s.expires, s.index, s.generation) in due, f"slot {s.index} would never expire"
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _set_state(self, slot: Slot, state: SlotState) -> None:
+        self.states[slot.state] -= 1
+        self.states[state] += 1
+        slot.state = state
+
+    def _set_expiry(self, slot: Slot, expires: float) -> None:
+        slot.expires = expires
+        heapq.heappush(self._expiry, (expires, slot.index, slot.generation))
+
+    def _untrack(self, slot: Slot) -> None:
+        owned = self.by_request.get(slot.request_id)
+        if owned is not None:
+            owned.discard(slot.index)
+            if not owned:
+                del self.by_request[slot.request_id]
+
+    def _allocate(self, evicted: list[Location]) -> Slot | None:
+        if self.free:
+            slot = self.slots[self.free.popleft()]
+        elif self.lru:
+            index, _ = self.lru.popitem(last=False)
+            slot = self.slots[index]
+            evicted.append(self.location(slot))
+            self._evict(slot)
+        else:
+            return None
+        slot.generation += 1
+        return slot
+
+    def _evict(self, slot: Slot) -> None:
+        self.counters["evictions"] += 1
+        if self.index.get(slot.key) == slot.index:  # a newer copy of the key keeps its entry
+            del self.index[slot.key]
+        self._set_state(slot, SlotState.FREE)
+        slot.key, slot.heads_written = b"", 0
+
+    def _release(self, slot: Slot) -> None:
+        if slot.state in (SlotState.WRITING, SlotState.PUBLISHED) and self.index.get(slot.key) == slot.index:
+            del self.index[slot.key]
+        self.lru.pop(slot.index, None)
+        self._untrack(slot)
+        self._set_state(slot, SlotState.FREE)
+        slot.key, slot.heads_written, slot.request_id, slot.leases = b"", 0, "", 0
+        self.free.append(slot.index)
