@@ -1,1 +1,2 @@
-"""Launching: local processes, Ray actors, cluster config (built in a later issue)."""
+"""Launching a cluster: its configuration (config), `kvferry up` as local processes (local), on Ray
+(ray_launch), and the scaling algorithm both share (scaling)."""

@@ -18,6 +18,8 @@ A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_siz
 the Ray bundle of one rank, e.g. `{CPU: 8, GPU: 1}` or a custom resource that pins the group to
 certain nodes (default: 1 CPU, and 1 GPU when the Ray cluster has GPUs). On Ray, `pool.per_ray_node`
 puts one pool node on every Ray node (else `pool.nodes` of them, spread).
+Every worker group must write KV blocks of the pool's one layout (the same block_size and KV dtype):
+`cluster_layout` refuses, before anything starts, groups that would not.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import torch
 import yaml
 
 from kvferry.engine.engine import EngineConfig
+from kvferry.kvpool.transfer import BlockLayout
+from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
 
 
 class ClusterConfigError(ValueError):
@@ -173,6 +178,26 @@ class ClusterConfig:
         """Processes in one replica of a group (its TP or EP degree)."""
         engine = self.engine_config(role, index)
         return engine.tensor_parallel_size * engine.expert_parallel_size
+
+    def bundle(self, role: str, index: int, ray_gpus: bool) -> dict:
+        """One rank's Ray bundle: the group's `resources`, else 1 CPU, plus 1 GPU when the Ray cluster
+        has GPUs (`ray_gpus`) and the group's engine is not set to the CPU."""
+        settings = self.groups(role)[index]
+        if settings.resources:
+            return dict(settings.resources)
+        gpu = ray_gpus and self.engine_config(role, index).device != "cpu"
+        return {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
+
+    def group_device(self, role: str, index: int = 0, ray_gpus: bool | None = None) -> str:
+        """The device a group's engine runs on: its `device` setting unless that is `auto`; then, on Ray
+        (`ray_gpus`: whether the Ray cluster has GPUs), cuda when its bundle holds a GPU, and under
+        `kvferry up` (`ray_gpus` None: the processes run here) cuda when this host has one."""
+        device = self.engine_config(role, index).device
+        if device != "auto":
+            return device
+        if ray_gpus is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if self.bundle(role, index, ray_gpus).get("GPU", 0) > 0 else "cpu"
 
     def members(self, role: str) -> int:
         """Registry entries the role will have: one per prefill group, one per decode rank."""
@@ -322,6 +347,36 @@ def cluster_config_to_dict(cfg: ClusterConfig) -> dict:
         value = getattr(cfg, role)
         out[role] = [group(s) for s in value] if isinstance(value, tuple) else group(value)
     return out
+
+
+def cluster_layout(
+    cfg: ClusterConfig, model: ModelConfig | Path | str, ray_gpus: bool | None = None
+) -> BlockLayout:
+    """The pool's block layout: the one every worker group computes (`BlockLayout.for_model` with its
+    engine's block_size and KV dtype on the device it runs on, see `ClusterConfig.group_device`).
+    Refuses a cluster whose groups would compute different ones: the pool holds blocks of one layout.
+    `model`: the ModelConfig or checkpoint directory. On CPU this loads the kernels (which the KV dtype
+    depends on), building them on a machine's first start."""
+    model_cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(Path(model))
+    first: tuple[str, BlockLayout] | None = None
+    for role in cfg.roles():
+        for index in range(len(cfg.groups(role))):
+            engine = cfg.engine_config(role, index)
+            device = torch.device(cfg.group_device(role, index, ray_gpus))
+            dtype = resolve_dtype(engine.dtype, model_cfg, device)
+            layout = BlockLayout.for_model(
+                model_cfg, engine.block_size, kv_cache_dtype(dtype, device, engine.kernels)
+            )
+            name = f"{role} group {index} (device {device})"
+            if first is None:
+                first = (name, layout)
+            elif layout != first[1]:
+                raise ClusterConfigError(
+                    f"{first[0]} and {name} would write different KV block layouts: {first[1]} vs "
+                    f"{layout}; the pool holds one (give every group the same block_size, and a device "
+                    "and kernels that keep the same KV dtype)"
+                )
+    return first[1]
 
 
 def _section(cls, values: dict, name: str):

@@ -4,7 +4,8 @@ Start order: redis-server (unless --redis-url) -> pool node(s) -> prefill and de
 Each child is its own process (`python -m kvferry.<component>`), logs to <log dir>/<name>.log, binds
 127.0.0.1 by default and dies with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves
 nothing behind. `up` waits until the router reports every worker and pool node, prints a line with
-`ready` and the router address, and on SIGINT/SIGTERM stops the children in reverse order.
+`ready` and the router address, serves `kvferry scale` requests (deploy.scaling), and on SIGINT/SIGTERM
+stops the children a tier at a time in `kvferry.proc.STOP_ORDER` (workers drain while the router relays).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import grpc
 
-from kvferry.deploy.config import ClusterConfig
+from kvferry.deploy import scaling
+from kvferry.deploy.config import ClusterConfig, cluster_layout
 from kvferry.engine.args import engine_flags
-from kvferry.kvpool.transfer import BlockLayout, dtype_name
-from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
+from kvferry.kvpool.transfer import BlockLayout
+from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
@@ -87,9 +89,10 @@ class LocalCluster:
     groups: dict[str, list[Child]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     _names: dict = field(default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
     _placement: dict = field(default_factory=dict)
+    _layout: BlockLayout | None = None  # the pool's (None when colocated)
     _tmp: Path | None = None
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         if not self.quiet:
             print(text, file=sys.stderr, flush=True)
 
@@ -126,22 +129,24 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + cfg.startup_timeout_s
         model_dir = self.model_dir = resolve_model(cfg.model, load_settings().models_dir)  # built-ins: once
-        check_degrees(cfg, ModelConfig.from_dir(model_dir))
+        model_cfg = ModelConfig.from_dir(model_dir)
+        check_degrees(cfg, model_cfg)
+        self._layout = None if cfg.colocated else cluster_layout(cfg, model_cfg)
         host = cfg.router.host
 
         if cfg.redis_url:
             self.redis_url = cfg.redis_url
         else:
             self.redis_url = self._start_redis(host, deadline)
-        self._say(f"redis       {self.redis_url}")
+        self.say(f"redis       {self.redis_url}")
 
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
-            self._spawn(f"pool-{i}", pool_argv(cfg, model_dir, f"pool-{i}", host, self.redis_url))
+            self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", host, self.redis_url))
         self._placement = cfg.host_placement(os.cpu_count() or 1)
         for role in cfg.roles():
             for index, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
-                    self._start_group(role, index)
+                    self.start_group(role, index)
         port = cfg.router.port or free_port(host)
         http_port = cfg.router.http_port
         if http_port == 0:
@@ -149,10 +154,10 @@ class LocalCluster:
         self._spawn("router", router_argv(cfg, str(model_dir), host, port, self.redis_url, http_port))
         self.router_addr = f"{host}:{port}"
         self.http_url = "" if http_port is None else f"http://{host}:{http_port}"
-        wait_until_ready(self.router_addr, expected_members(cfg), deadline, self._check_alive, self._say)
+        wait_until_ready(self.router_addr, expected_members(cfg), deadline, self._check_alive, self.say)
         return self.router_addr
 
-    def _start_group(self, role: str, kind: int) -> Child:
+    def start_group(self, role: str, kind: int) -> Child:
         name = f"{role}-{next(self._names[role])}"
         cfg = self.cfg
         placement = self._placement[role]
@@ -175,41 +180,33 @@ class LocalCluster:
         return len(live["prefill"]), sum(c.size for c in live["decode"]), pool
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
-        """Set the number of prefill / decode groups: new groups (of the role's first kind) start and
-        register first, then the newest surplus ones drain (finish what they hold) and exit."""
-        targets = {"prefill": prefill, "decode": decode}
-        for role, n in targets.items():
-            if n is not None and n < 1:
-                raise LaunchError(f"{role} groups must be >= 1, got {n}")
-            if n is not None and role == "prefill" and self.cfg.colocated:
-                raise LaunchError("a colocated cluster has no prefill groups")
-        retire: list[Child] = []
-        started: list[Child] = []
-        for role, n in targets.items():
-            if n is None:
-                continue
-            for child in [c for c in self.groups[role] if c.proc.poll() is not None]:
-                self.groups[role].remove(child)  # a group that died is replaced, not counted
-            groups = self.groups[role]
-            for _ in range(n - len(groups)):
-                started.append(self._start_group(role, 0))
-            retire += groups[n:]
-            self._say(f"{role} groups -> {n}")
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        """Set the number of prefill / decode groups (deploy.scaling.scale: new groups register before the
+        newest surplus ones drain and exit; a failed scale kills what it started and raises)."""
+        scaling.scale(self, self.cfg, prefill, decode)
+
+    # -- deploy.scaling.GroupLauncher ------------------------------------------------------------------
+    def live_groups(self, role: str) -> list[Child]:
+        """The role's running groups, oldest first; one that exited is dropped from the role's groups
+        (it stays in `children`: reported, and reaped at stop)."""
+        self.groups[role] = [c for c in self.groups[role] if c.proc.poll() is None]
+        return list(self.groups[role])
+
+    def wait_ready(self, started: list[Child], deadline: float) -> None:
         check = lambda: self._check_alive(started)  # noqa: E731
-        try:
-            wait_until_ready(self.router_addr, self.want, deadline, check, self._say)
-        except LaunchError:
-            for child in started:  # a scale that failed leaves nothing half-started
-                child.proc.kill()
-                child.proc.wait()
-                self.groups[_kind(child.name)].remove(child)
-                self.children.remove(child)
-            raise
-        for child in retire:
+        wait_until_ready(self.router_addr, self.want, deadline, check, self.say)
+
+    def discard(self, started: list[Child]) -> None:
+        for child in started:
+            child.proc.kill()
+            child.proc.wait()
             self.groups[_kind(child.name)].remove(child)
-        _terminate(retire, self.cfg.drain_timeout_s + 10)
-        for child in retire:
+            self.children.remove(child)
+
+    def retire(self, groups: list[Child]) -> None:
+        for child in groups:
+            self.groups[_kind(child.name)].remove(child)
+        _terminate(groups, self.cfg.drain_timeout_s + 10)
+        for child in groups:
             self.children.remove(child)
 
     def _start_redis(self, host: str, deadline: float) -> str:
@@ -283,8 +280,8 @@ def wait_until_ready(router_addr: str, want, deadline: float, check=None, say=No
             time.sleep(0.2)
 
 
-def pool_argv(cfg: ClusterConfig, model_dir: Path, node_id: str, host: str, redis_url: str) -> list[str]:
-    layout = cluster_layout(cfg, model_dir)
+def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str, redis_url: str) -> list[str]:
+    """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers')."""
     slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
     return [
         *(sys.executable, "-m", "kvferry.kvpool", "--node-id", node_id),
@@ -344,24 +341,6 @@ def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:
                 check_ep(model_cfg, engine.expert_parallel_size)
             except ParallelConfigError as err:
                 raise LaunchError(f"{role} group {index}: {err}") from None
-
-
-def cluster_layout(cfg: ClusterConfig, model_dir: Path) -> BlockLayout:
-    """The pool's block layout: what the workers will compute (the engine's dtype and KV dtype rules; on
-    CPU this loads the kernels, building them on a machine's first start)."""
-    import torch
-
-    model_cfg = ModelConfig.from_dir(model_dir)
-    engine = cfg.engine_config("decode")
-    device = (
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if engine.device == "auto"
-        else (torch.device(engine.device))
-    )
-    dtype = kv_cache_dtype(resolve_dtype(cfg.dtype, model_cfg, device), device, engine.kernels)
-    return BlockLayout(
-        model_cfg.num_layers, model_cfg.num_kv_heads, engine.block_size, model_cfg.head_dim, dtype_name(dtype)
-    )
 
 
 def _scale_key(namespace: str) -> str:

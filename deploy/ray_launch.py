@@ -22,8 +22,9 @@
   router stops
   routing to the dead members (their streams end with UNAVAILABLE, their heartbeats stop) and picks
   the relaunched ones up when they register again.
-- **Scaling** adds groups (new placement groups) and retires the newest ones: a retired group drains
-  (SIGTERM: it leaves the router's rotation and finishes what it holds) before its actors go.
+- **Scaling** (deploy.scaling, the algorithm `kvferry up` shares) adds groups (new placement groups)
+  and retires the newest ones: a retired group drains (SIGTERM: it leaves the router's rotation and
+  finishes what it holds) before its actors go. A scale whose new groups do not become ready frees them.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from kvferry.deploy import scaling
 from kvferry.proc import STOP_ORDER, die_with_parent
 
 if TYPE_CHECKING:
     from kvferry.deploy.config import ClusterConfig
+    from kvferry.kvpool.transfer import BlockLayout
 
 log = logging.getLogger("kvferry.ray")
 
@@ -176,6 +179,7 @@ class Controller:
         self.router_addr = ""
         self.http_url = ""
         self.model_dir: Path | None = None
+        self.layout: BlockLayout | None = None  # the pool's (None when colocated)
         self.events: list[str] = []
         self.event_count = 0
         self.phase = "starting"
@@ -184,6 +188,7 @@ class Controller:
 
     # -- start / stop ---------------------------------------------------------------------------------
     def start(self) -> dict:
+        from kvferry.deploy.config import cluster_layout
         from kvferry.deploy.local import check_degrees, wait_for_redis, wait_until_ready
         from kvferry.model.config import ModelConfig
         from kvferry.model.create import resolve_model
@@ -192,7 +197,10 @@ class Controller:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.startup_timeout_s
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
-        check_degrees(cfg, ModelConfig.from_dir(self.model_dir))
+        model_cfg = ModelConfig.from_dir(self.model_dir)
+        check_degrees(cfg, model_cfg)
+        if not cfg.colocated:  # the workers' layout, on the devices their bundles give them
+            self.layout = cluster_layout(cfg, model_cfg, ray_gpus=self._ray_gpus())
         if not cfg.redis_url:
             redis = self._start(self._new_unit("redis", "redis"))
             host, port = redis.where[0]["ip"], redis.port
@@ -228,37 +236,42 @@ class Controller:
 
     # -- scaling --------------------------------------------------------------------------------------
     def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
-        """Set the number of prefill / decode groups: new ones start (of the role's first kind) and
-        register before the newest surplus groups drain (finish what they hold) and go."""
-        from kvferry.deploy.local import wait_until_ready
-
-        targets = {"prefill": prefill, "decode": decode}
-        for role, n in targets.items():
-            if n is None:
-                continue
-            if role == "prefill" and self.cfg.colocated:
-                raise ValueError("a colocated cluster has no prefill groups to scale")
-            if n < 1:
-                raise ValueError(f"--{role} must be >= 1 (a cluster needs both phases), got {n}")
+        """Set the number of prefill / decode groups (deploy.scaling.scale: new groups register before
+        the newest surplus ones drain and go; a failed scale frees what it started and raises)."""
+        scaling.check_targets(self.cfg, prefill, decode)  # refused at once, not after a running scale
         with self.scaling:
-            retire = []
-            for role, n in targets.items():
-                if n is None:
-                    continue
-                groups = self._groups(role)
-                for _ in range(n - len(groups)):
-                    self._start(self._new_group(role, 0))
-                retire += groups[n:] if n < len(groups) else []
-                if n != len(groups):
-                    self._event(f"scaling {role} groups {len(groups)} -> {n}")
-            deadline = time.monotonic() + self.cfg.startup_timeout_s
-            wait_until_ready(self.router_addr, self._want, deadline, None, self._event)
-            self._retire(retire, self.cfg.drain_timeout_s + 10)
+            scaling.scale(self, self.cfg, prefill, decode)
         return self.status()
 
-    def _groups(self, role: str) -> list[Unit]:
+    # deploy.scaling.GroupLauncher
+    def live_groups(self, role: str) -> list[Unit]:
+        """The role's groups, oldest first, but those given up on (a dead one is relaunched by the
+        watcher, so it counts)."""
         with self.lock:
             return [u for u in self.units.values() if u.role == role and u.state in ("new", "running")]
+
+    def start_group(self, role: str, kind: int) -> Unit:
+        return self._start(self._new_group(role, kind))
+
+    def wait_ready(self, started: list[Unit], deadline: float) -> None:
+        from kvferry.deploy.local import wait_until_ready
+
+        wait_until_ready(self.router_addr, self._want, deadline, None, self._event)
+
+    def discard(self, started: list[Unit]) -> None:
+        for unit in started:
+            with unit.lock:  # waits for a relaunch in progress
+                unit.state = "draining"  # the watcher leaves it alone
+            self._free(unit)
+            with self.lock:
+                self.units.pop(unit.name, None)
+            self._event(f"{unit.name} discarded (the scale failed)")
+
+    def retire(self, units: list[Unit]) -> None:
+        self._retire(units, self.cfg.drain_timeout_s + 10)
+
+    def say(self, text: str) -> None:
+        self._event(text)
 
     def _retire(self, units: list[Unit], timeout_s: float) -> None:
         """SIGTERM every rank of `units` (workers drain), wait for them to exit, then free the actors
@@ -315,12 +328,11 @@ class Controller:
         )
 
     def _bundle(self, unit: Unit) -> dict:
-        settings = self.cfg.groups(unit.role)[unit.kind]
-        if settings.resources:
-            return dict(settings.resources)
-        device = self.cfg.engine_config(unit.role, unit.kind).device
-        gpus = ray.cluster_resources().get("GPU", 0) > 0 and device != "cpu"
-        return {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
+        return self.cfg.bundle(unit.role, unit.kind, self._ray_gpus())
+
+    @staticmethod
+    def _ray_gpus() -> bool:
+        return ray.cluster_resources().get("GPU", 0) > 0
 
     def _actor_options(self, resources: dict) -> dict:
         resources = dict(resources)
@@ -397,7 +409,7 @@ class Controller:
             argvs = [redis_server_argv("{host}", unit.port)]
             self.redis_url = f"redis://{ip}:{unit.port}/0"
         elif unit.role == "pool":
-            argvs = [pool_argv(cfg, self.model_dir, unit.name, "{host}", self.redis_url)]
+            argvs = [pool_argv(cfg, self.layout, unit.name, "{host}", self.redis_url)]
         elif unit.role == "router":
             host = cfg.router.host
             unit.port = unit.port or cfg.router.port or ray.get(unit.sups[0].free_port.remote())

@@ -161,3 +161,33 @@ def test_groups_drain_as_one_on_sigterm(redis_server, tiny_model_dir, tmp_path_f
             )
         finally:
             members.close()
+
+
+def test_tp_prefill_pulls_a_prefix_from_the_pool(
+    redis_server, tiny_model_dir, tmp_path_factory, prompts, reference
+):
+    """A TP=2 prefill group whose own prefix cache lost the blocks (8 cache blocks, flushed by other
+    prompts) pulls them back from the pool: every rank its KV-head slice, asynchronously, agreed on
+    with `pull_done`; the output stays exact."""
+    with start(
+        redis_server,
+        tiny_model_dir,
+        tmp_path_factory,
+        "tp-pull",
+        group(tensor_parallel_size=2, num_kv_blocks=8, max_model_len=128),
+        group(max_model_len=128),
+    ) as cluster:
+        members = Members(cluster)
+        try:
+            with Client(cluster.router_addr) as client:
+                assert client.generate(greedy(prompts[0], NEW_TOKENS), timeout=120).token_ids == reference[0]
+                for seed in range(3):  # 12 blocks of other prompts: prompt 0's blocks leave the cache
+                    client.generate(greedy(random_prompt(900 + seed, 60), 2), timeout=120)
+                before = sum(s.pool_hit_tokens for s in members.stats("prefill").values())
+                assert client.generate(greedy(prompts[7], NEW_TOKENS), timeout=120).token_ids == reference[7]
+            (stats,) = members.stats("prefill").values()
+            assert stats.tensor_parallel_size == 2
+            assert stats.pool_hit_tokens - before >= 48  # the shared 3 blocks came from the pool
+            assert stats.free_blocks == stats.total_blocks  # nothing held after the answers
+        finally:
+            members.close()

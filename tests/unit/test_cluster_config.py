@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
+import torch
 
 from kvferry.deploy.config import (
     ClusterConfig,
@@ -99,7 +101,7 @@ def test_degree_the_model_cannot_split_by_is_refused_before_launch(tiny_model_di
 
 
 def test_vllm_spelling_of_the_decode_group_degree():
-    from kvferry.decode_worker.serving import add_worker_args
+    from kvferry.worker.runtime import add_worker_args
 
     p = argparse.ArgumentParser()
     add_worker_args(p)
@@ -127,8 +129,6 @@ def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_ta
 def test_host_placement():
     """prefill-first: prefill ranks share every core, decode keeps its even share in the background
     wherever they overlap; even: cores // processes for all; colocated: the even share."""
-    from dataclasses import replace
-
     from kvferry.deploy.config import Placement
 
     cfg = ClusterConfig()
@@ -169,3 +169,63 @@ def test_launcher_defaults_fill_only_the_engine_settings_the_file_leaves_unset()
     assert interval(ClusterConfig()) == "40.0"
     assert interval(cluster_config_from_dict({"decode": {"decode_step_interval_ms": 0}})) == "0"
     assert "--decode-step-interval-ms" not in worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h", "r")
+
+
+def test_every_group_writes_the_pools_layout(tiny_model_dir):
+    from kvferry.deploy.config import cluster_layout
+    from kvferry.kvpool.transfer import BlockLayout
+    from kvferry.model.config import ModelConfig
+
+    model_cfg = ModelConfig.from_dir(tiny_model_dir)
+    cfg = ClusterConfig(model=str(tiny_model_dir), dtype="float32")
+    layout = cluster_layout(cfg, model_cfg)
+    assert layout == BlockLayout.for_model(model_cfg, 16, torch.float32)
+    assert cluster_layout(cfg, tiny_model_dir) == layout  # a checkpoint directory will do too
+    two_kinds = cluster_config_from_dict(
+        {"model": str(tiny_model_dir), "dtype": "float32", "prefill": [{"tensor_parallel_size": 2}, {}]}
+    )
+    assert cluster_layout(two_kinds, model_cfg) == layout
+
+
+def test_groups_of_different_block_sizes_are_refused(tiny_model_dir):
+    from kvferry.deploy.config import cluster_layout
+
+    cfg = cluster_config_from_dict({"model": str(tiny_model_dir), "prefill": {"block_size": 32}})
+    with pytest.raises(ClusterConfigError, match=r"prefill group 0 .* and decode group 0 .*block_size=32"):
+        cluster_layout(cfg, tiny_model_dir)
+    assert cluster_layout(replace(cfg, colocated=True), tiny_model_dir).block_size == 16  # no prefill groups
+    cfg = cluster_config_from_dict({"model": str(tiny_model_dir), "decode": [{}, {"block_size": 32}]})
+    with pytest.raises(ClusterConfigError, match=r"decode group 1 .*block_size=16.* vs .*block_size=32"):
+        cluster_layout(cfg, tiny_model_dir)
+
+
+def test_groups_of_different_kv_dtypes_are_refused_before_launch(tiny_model_dir, monkeypatch, tmp_path):
+    """A bf16 checkpoint runs in float32 on a CPU without native bf16, in bf16 on a GPU: a CPU prefill
+    group and a GPU decode group would write blocks the pool (one layout) cannot hold together."""
+    from kvferry.deploy.config import cluster_layout
+    from kvferry.deploy.local import LocalCluster
+    from kvferry.model import config as model_config
+
+    monkeypatch.setattr(model_config, "cpu_has_native_bf16", lambda: False)
+    cfg = cluster_config_from_dict(
+        {"model": str(tiny_model_dir), "prefill": {"device": "cpu"}, "decode": {"device": "cuda"}}
+    )
+    with pytest.raises(ClusterConfigError, match=r"prefill group 0 .*float32.* vs .*bfloat16"):
+        cluster_layout(cfg, tiny_model_dir)
+    with pytest.raises(ClusterConfigError, match="different KV block layouts"):
+        LocalCluster(cfg, log_dir=tmp_path, quiet=True).start()  # before anything starts
+    # on Ray a group's device follows its bundle: with GPUs in the Ray cluster, the default bundle
+    # holds one, a CPU-only `resources` does not, and an explicit `device` wins over both
+    ray_cfg = cluster_config_from_dict({"model": str(tiny_model_dir), "prefill": {"resources": {"CPU": 4}}})
+    assert [ray_cfg.group_device(r, 0, ray_gpus=True) for r in ("prefill", "decode")] == ["cpu", "cuda"]
+    with pytest.raises(
+        ClusterConfigError, match=r"prefill group 0 .*device cpu.* decode group 0 .*device cuda"
+    ):
+        cluster_layout(ray_cfg, tiny_model_dir, ray_gpus=True)
+    # the pool follows the workers' device, not the launcher's (a CPU-only Ray head with GPU workers)
+    gpus = cluster_config_from_dict({"model": str(tiny_model_dir), "prefill": {"resources": {"GPU": 1}}})
+    assert cluster_layout(gpus, tiny_model_dir, ray_gpus=True).dtype == "bfloat16"
+    assert gpus.bundle("decode", 0, ray_gpus=True) == {"CPU": 1.0, "GPU": 1.0}
+    cpu = cluster_config_from_dict({"model": str(tiny_model_dir), "decode": {"device": "cpu"}})
+    assert cpu.bundle("decode", 0, ray_gpus=True) == {"CPU": 1.0}
+    assert cluster_layout(cpu, tiny_model_dir, ray_gpus=False).dtype == "float32"
