@@ -248,15 +248,17 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def _fail_all(self, err: Exception) -> None:
         """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
         for request_id, stream in list(self.streams.items()):
-            if request_id in self.transfer or stream in self.prealloc:
-                continue  # not in the failed step
+            if request_id not in self.engine.states:
+                continue  # not in the failed step (still in prealloc or transfer, or aborted there)
             self.engine.abort(request_id)
             self.streams.pop(request_id, None)
             stream.out.put(RuntimeError(f"engine step failed: {err}"))
         self.leave_group_if_broken(err)
 
     def _finish(self, stream: Stream, reason: str) -> None:
-        self.streams.pop(stream.request.request_id, None)
+        rid = stream.request.request_id
+        if self.streams.get(rid) is stream:  # (a newer call may have taken the id meanwhile)
+            del self.streams[rid]
         stream.out.put(worker_pb2.DecodeResponse(finish_reason=reason))
 
     def _abort(self, request_id: str) -> bool:

@@ -51,6 +51,8 @@ class EngineLoop(threading.Thread):
         # lock-step groups: sync(this rank has work) -> any rank has work (a collective every
         # iteration); then every rank steps, the idle ones with an empty batch
         self.sync = sync
+        if sync is not None and on_sync_lost is None:
+            raise ValueError("a lock-step loop needs on_sync_lost: a rank alone cannot step on")
         self.on_sync_lost = on_sync_lost  # the sync failed (a rank is gone); the loop stops after it
         self.idle_wait_s = 0.005 if sync is not None else 0.05
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

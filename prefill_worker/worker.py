@@ -40,7 +40,9 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.jobs: dict[str, PrefillJob] = {}  # admitted, not yet answered
         self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._poll, on_error=self._fail_all)
         wake = self.loop.wake.set
-        self.lookups: TransferStage[PrefixLookup] = TransferStage("prefix lookup", self.transfers, wake)
+        # Redis lookups on their own thread: a pull or a write on the transfer thread never delays one
+        self.lookup_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
+        self.lookups: TransferStage[PrefixLookup] = TransferStage("prefix lookup", self.lookup_thread, wake)
         self.pulls: TransferStage[PrefixPull] = TransferStage("prefix pull", self.transfers, wake)
         self.writes: TransferStage[KVWrite] = TransferStage("KV write", self.transfers, wake, self._answer)
         self.leader = TPLeader(self.group, engine)
@@ -50,6 +52,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     def stop(self) -> None:
         super().stop()
+        self.lookup_thread.shutdown(wait=True)
         # only once the engine thread is gone: two threads must never broadcast at once (if it is
         # stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
         if not self.loop.is_alive():
@@ -122,23 +125,32 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.lookups.start(req.request_id, PrefixLookup(job, rest), lambda: self.pool.lookup_prefix(rest))
 
     def _poll(self) -> bool:
-        """The engine loop's idle hook: move the requests whose transfers finished to their next stage."""
+        """The engine loop's idle hook: move the requests whose transfers finished to their next stage
+        (pulls first: a tensor-parallel group ends a pull before a newer one of the same id starts)."""
         self.leader.keepalive()
-        moved = False
-        finished, abandoned = self.lookups.poll()
-        for done in finished:
-            self._looked_up(done)
-        finished2, abandoned2 = self.pulls.poll()
-        for done in finished2:
-            self._pulled(done)
-        for done in abandoned2:  # aborted while pulling: the group still ends the pull together
+        pulled, abandoned = self.pulls.poll()
+        for done in abandoned:  # aborted while pulling: the group still ends the pull together
             self.leader.pull_done(done.request_id, 0)
             self.engine.block_manager.release(done.item.reserved)
-        finished3, _ = self.writes.poll()  # answered already (on the finishing thread)
-        for done in finished3:
-            self._drop(done.request_id)
-        moved = bool(finished or abandoned or finished2 or abandoned2 or finished3)
-        return moved
+        for done in pulled:
+            self._guarded(done.item.job, self._pulled, done)
+        looked_up, _ = self.lookups.poll()
+        for done in looked_up:
+            self._guarded(done.item.job, self._looked_up, done)
+        written, _ = self.writes.poll()  # answered already (on the finishing thread)
+        for done in written:
+            self._drop(done.request_id, done.item.job)
+        return bool(pulled or abandoned or looked_up or written)
+
+    def _guarded(self, job: PrefillJob, step, done: Done) -> None:
+        """Move one request on; if that fails, it fails alone (the others in this poll go on)."""
+        try:
+            step(done)
+        except Exception as err:
+            log.exception("prefill of %s failed in its hand-off", done.request_id)
+            self._drop(done.request_id, job)
+            if not job.future.done():
+                job.future.set_exception(err)
 
     def _looked_up(self, done: Done[PrefixLookup]) -> None:
         job, bm = done.item.job, self.engine.block_manager
@@ -183,7 +195,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             log.warning("%s for %s failed, computing it: %s", what, rid, err)
             return True
         log.error("%s for %s failed: %s", what, rid, err)
-        self._drop(rid)
+        self._drop(rid, job)
         job.future.set_exception(err)
         return False
 
@@ -259,6 +271,21 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     def _answer(self, done: Done[KVWrite]) -> None:
         """The KV write finished (on the transfer or the pool client's thread): answer the call now."""
+        try:
+            reply = self._reply(done)
+        except Exception as err:  # never leave the call waiting
+            log.exception("answering %s failed", done.request_id)
+            reply = err
+        job = done.item.job
+        try:
+            if isinstance(reply, Exception):
+                job.future.set_exception(reply)
+            else:
+                job.future.set_result(reply)
+        except concurrent.futures.InvalidStateError:  # cancelled meanwhile: free its private tail
+            self.pool.release(done.request_id)
+
+    def _reply(self, done: Done[KVWrite]) -> worker_pb2.PrefillResponse:
         kv = done.item
         req, locations = kv.job.req, kv.locations
         stored = done.value
@@ -285,10 +312,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             prefill_ms=(kv.prefill_done - kv.job.started) * 1e3,
             kv_put_ms=(time.perf_counter() - (kv.put_started or kv.prefill_done)) * 1e3,
         )
-        try:
-            kv.job.future.set_result(reply)
-        except concurrent.futures.InvalidStateError:  # cancelled meanwhile: free its private tail
-            self.pool.release(req.request_id)
+        return reply
 
     # -- engine thread: failures and cancellation -------------------------------------------------------
     def _fail_all(self, err: Exception) -> None:
@@ -312,7 +336,11 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self._drop(request_id)
         job.future.cancel()
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str, job: PrefillJob | None = None) -> None:
+        """Forget a request (given `job`: only if that is still the request under this id) and free the
+        blocks it pinned."""
+        if job is not None and self.jobs.get(request_id) is not job:
+            return
         job = self.jobs.pop(request_id, None)
         if job is not None and job.holder:
             self.engine.block_manager.release(job.holder)

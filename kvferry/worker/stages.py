@@ -62,9 +62,10 @@ class TransferStage(Generic[T]):
         return request_id in self.items
 
     def start(self, request_id: str, item: T, work: Callable[[], object]) -> None:
-        """Engine thread: the item enters the stage and its work is queued."""
-        self.items[request_id] = item
+        """Engine thread: the item enters the stage and its work is queued (if the executor refuses it,
+        the item does not enter). What finishes is only taken by `poll`, on this same thread."""
         self.executor.submit(self._run, request_id, item, work)
+        self.items[request_id] = item
 
     def discard(self, request_id: str) -> T | None:
         """Engine thread: the request left (aborted); its transfer ends as abandoned in `poll`."""

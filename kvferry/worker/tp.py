@@ -108,7 +108,11 @@ class TPLeader:
         if not self.active:
             return served
         self._send(worker_pb2.GroupCommand(pull_done=request_id))
-        return group_min(self.group.comm, served)
+        try:
+            return group_min(self.group.comm, served)
+        except Exception:  # a rank is gone mid-collective: the group cannot go on
+            log.exception("tensor-parallel group %s lost a rank; exiting", self.group.group_id)
+            hard_exit(1)
 
     def put(
         self, request_id: str, node_id: str, keys: list[bytes], private: list[bool], block_ids: list[int]
