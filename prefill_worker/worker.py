@@ -52,7 +52,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     def stop(self) -> None:
         super().stop()
-        self.lookup_thread.shutdown(wait=True)
+        self.lookup_thread.shutdown(wait=False)  # a lookup only reads Redis: nothing to finish
         # only once the engine thread is gone: two threads must never broadcast at once (if it is
         # stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
         if not self.loop.is_alive():

@@ -10,9 +10,11 @@ draining, it finishes what it holds, then exits.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -126,13 +128,29 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     log.info("%s worker %s serving on %s", role, worker_id, addr)
     stop.wait()
     drain(servicer, heartbeat, args.drain_timeout_s)
+    watchdog = threading.Timer(SHUTDOWN_S, _shutdown_stuck)  # whatever hangs, the process ends
+    watchdog.daemon = True
+    watchdog.start()
     set_serving(health, names, False)
     heartbeat.stop()
     server.stop(grace=3).wait()
+    log.info("shutdown: gRPC server stopped")
     servicer.stop()
+    log.info("shutdown: engine stopped")
     group.stop_children()
     pool.close()
+    log.info("shutdown: done")
     hard_exit(0)
+
+
+SHUTDOWN_S = 30.0  # after the drain: server grace 3 s + engine 5 s + group ranks 10 s, with margin
+
+
+def _shutdown_stuck() -> None:
+    """The orderly shutdown hung: log every thread's stack (to find out where) and exit anyway."""
+    log.error("shutdown did not finish within %.0f s; every thread's stack follows", SHUTDOWN_S)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    hard_exit(1)
 
 
 DRAIN_QUIET_S = 1.0  # idle this long before stopping: twice the router's registry refresh
