@@ -91,7 +91,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         return {
             "inflight": len(self.streams),
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(self.prealloc) + len(self.transfer),
+            "waiting": len(sched.waiting) + len(self.prealloc),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
         }

@@ -318,8 +318,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def _fail_all(self, err: Exception) -> None:
         """A step failed: every request in the engine fails (the worker keeps serving new ones)."""
         for request_id, job in list(self.jobs.items()):
-            if request_id in self.lookups or request_id in self.pulls or request_id in self.writes:
-                continue  # not in the failed step
+            if request_id not in self.engine.states:
+                continue  # not in the failed step (in a prefix stage, or finished and being written)
             self.engine.abort(request_id)
             self._drop(request_id)
             if not job.future.done():

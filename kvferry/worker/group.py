@@ -82,6 +82,4 @@ def form_group(
 
 def group_min(comm: Comm, value: int) -> int:
     """The smallest `value` over the group's ranks (a group of one: `value`)."""
-    if comm.size == 1:
-        return value
     return int(comm.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, cpu=True).item())
