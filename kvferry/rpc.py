@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvferry.auth import client_interceptors, server_interceptors
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -18,6 +20,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def channel(target: str) -> grpc.Channel:
+    """A channel to another kvferry process: every call carries the cluster secret (kvferry.auth)."""
+    ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    interceptors = client_interceptors()
+    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
+
+
+def aio_channel(target: str) -> grpc.aio.Channel:
+    """`channel` for asyncio code."""
+    interceptors = client_interceptors(aio=True)
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 def service_names(*descriptors) -> list[str]:
@@ -45,7 +60,11 @@ def start_server(
     add_servicers: Callable[[grpc.Server], None], names: Sequence[str], host: str, port: int, max_workers: int
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A threaded gRPC server on host:port (0 = any free port); returns it, the bound port, its health."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=CHANNEL_OPTIONS,
+        interceptors=server_interceptors(),  # the cluster secret, when there is one (kvferry.auth)
+    )
     add_servicers(server)
     health_servicer = add_health_and_reflection(server, names)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -57,10 +76,8 @@ def start_server(
 
 def check_health(target: str, timeout: float = 1.0) -> bool:
     try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
-            )
+        with channel(target) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

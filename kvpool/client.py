@@ -35,7 +35,7 @@ from kvferry.kvpool.transfer import (
     send_stream,
     unpack_blocks,
 )
-from kvferry.rpc import CHANNEL_OPTIONS
+from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class PoolClient:
         layout = BlockLayout.from_list(info["layout"])
         if layout != self.layout:
             raise PoolError(f"pool node {node_id} stores {layout}, this worker needs {self.layout}")
-        channel = grpc.insecure_channel(info["addr"], options=CHANNEL_OPTIONS)
+        channel = rpc_channel(info["addr"])
         node = _Node(
             node_id,
             info["addr"],

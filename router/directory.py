@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.rpc import CHANNEL_OPTIONS
+from kvferry.rpc import aio_channel
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Directory:
                     del self.pool_nodes[node_id]
 
     async def _add(self, role: str, member_id: str, addr: str) -> Member | None:
-        channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        channel = aio_channel(addr)
         stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         )

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvferry.auth import server_interceptors
 from kvferry.convert import sampling_from_proto, sampling_to_proto
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import (
@@ -40,7 +41,7 @@ from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
 from kvferry.router.directory import Directory, Member
 from kvferry.router.metrics import RequestTrack, RouterMetrics
-from kvferry.rpc import CHANNEL_OPTIONS, hard_exit, service_names
+from kvferry.rpc import CHANNEL_OPTIONS, aio_channel, hard_exit, service_names
 from kvferry.settings import load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
 
@@ -395,7 +396,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             addr = node.addr
             channel = self.pool_channels.get(addr)
             if channel is None:
-                channel = self.pool_channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+                channel = self.pool_channels[addr] = aio_channel(addr)
             try:
                 await pool_pb2_grpc.KVPoolStub(channel).Release(
                     pool_pb2.ReleaseRequest(request_id=request_id), timeout=5
@@ -452,7 +453,7 @@ def _relay_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> None:
     router = Router(cfg)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=server_interceptors(aio=True))
     generate_pb2_grpc.add_GenerationServicer_to_server(router, server)
     names = service_names(generate_pb2.DESCRIPTOR)
     health_servicer = health.aio.HealthServicer()

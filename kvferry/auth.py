@@ -1,0 +1,211 @@
+"""Who may call a kvferry server: the cluster secret (internal plane) and the router's API keys.
+
+Internal plane: every worker, pool node and router RPC carries the cluster secret in the
+`x-kvferry-secret` metadata and every server refuses a call without it (UNAUTHENTICATED). `kvferry up`
+generates the secret (or takes it from the config) and hands it to every process it starts in the
+`KVFERRY_CLUSTER_SECRET` environment variable; a process started without one runs an open cluster (the
+unit tests, a single developer's loopback cluster started by hand).
+
+Public plane: the router's gRPC API asks for `authorization: Bearer <key>` when it is given API keys
+(`--api-key`); the cluster secret is accepted there too (operators' tools).
+
+The gRPC health service stays open, so load balancers and launchers can probe any port; it says
+SERVING or not and nothing more.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+SECRET_ENV = "KVFERRY_CLUSTER_SECRET"
+SECRET_HEADER = "x-kvferry-secret"
+OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+
+
+def cluster_secret() -> str | None:
+    """The secret this process uses (from its environment), None in an open cluster."""
+    return os.environ.get(SECRET_ENV) or None
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def secret_metadata() -> tuple[tuple[str, str], ...]:
+    secret = cluster_secret()
+    return ((SECRET_HEADER, secret),) if secret else ()
+
+
+class Credentials:
+    """What a server accepts: the cluster secret in its header and/or a bearer API key."""
+
+    def __init__(self, secret: str | None = None, api_keys: Sequence[str] = ()):
+        self.secret = secret
+        self.api_keys = [k for k in api_keys if k]
+
+    @property
+    def required(self) -> bool:
+        return bool(self.secret or self.api_keys)
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """None when `metadata` carries an accepted credential, else what is wrong (for the status)."""
+        if not self.required:
+            return None
+        md = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in (metadata or ())}
+        if self.secret and hmac.compare_digest(md.get(SECRET_HEADER, "").encode(), self.secret.encode()):
+            return None
+        if self.api_keys:
+            auth = md.get("authorization", "")
+            if auth.lower().startswith("bearer ") and self.key_ok(auth[7:].strip()):
+                return None
+            return "missing or invalid API key (send the metadata 'authorization: Bearer <key>')"
+        return f"missing or invalid cluster secret (the '{SECRET_HEADER}' metadata)"
+
+    def key_ok(self, key: str) -> bool:
+        ok = False
+        for expected in self.api_keys:  # no early exit: the time taken does not tell which key is close
+            ok |= hmac.compare_digest(key.encode(), expected.encode())
+        return ok
+
+
+def cluster_credentials() -> Credentials:
+    return Credentials(cluster_secret())
+
+
+def _wrap(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind (and serializers) that runs `behavior(request, context)`."""
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """A threaded server's gate: calls without an accepted credential end UNAUTHENTICATED."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method in OPEN_METHODS:
+            return handler
+        problem = self.creds.check(details.invocation_metadata)
+        if problem is None:
+            return handler
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+        return _wrap(handler, refuse)
+
+
+class AioAuthInterceptor(grpc.aio.ServerInterceptor):
+    """The same gate for an asyncio server."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method in OPEN_METHODS:
+            return handler
+        problem = self.creds.check(details.invocation_metadata)
+        if problem is None:
+            return handler
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+        return _wrap(handler, refuse)
+
+
+def server_interceptors(creds: Credentials | None = None, aio: bool = False) -> list:
+    creds = creds if creds is not None else cluster_credentials()
+    if not creds.required:
+        return []
+    return [AioAuthInterceptor(creds) if aio else AuthInterceptor(creds)]
+
+
+# -- client side: every call on a kvferry channel carries the secret ------------------------------------
+def _with_metadata(details, extra):
+    metadata = [*(details.metadata or ()), *extra]
+    if hasattr(details, "_replace"):  # grpc.aio's details are a namedtuple
+        return details._replace(metadata=metadata)
+    return _Details(details, metadata)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, details, metadata):
+        self.method = details.method
+        self.timeout = details.timeout
+        self.metadata = metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = getattr(details, "wait_for_ready", None)
+        self.compression = getattr(details, "compression", None)
+
+
+class SecretClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, metadata: Sequence[tuple[str, str]]):
+        self.metadata = tuple(metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(_with_metadata(details, self.metadata), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(_with_metadata(details, self.metadata), request_iterator)
+
+
+def _aio_interceptors(metadata: Sequence[tuple[str, str]]) -> list:
+    md = tuple(metadata)
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(_with_metadata(details, md), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(_with_metadata(details, md), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, request_iterator):
+            return await continuation(_with_metadata(details, md), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
+            return await continuation(_with_metadata(details, md), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+
+def client_interceptors(metadata: Sequence[tuple[str, str]] | None = None, aio: bool = False) -> list:
+    """Interceptors that add `metadata` (default: the cluster secret) to every call; [] when none."""
+    md = secret_metadata() if metadata is None else tuple(metadata)
+    if not md:
+        return []
+    return _aio_interceptors(md) if aio else [SecretClientInterceptor(md)]
