@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from kvferry.model.config import ModelConfig, ModelConfigError
 from kvferry.model.layers import RotaryEmbedding
 from kvferry.model.parallel import Parallel, ParallelConfigError, TPShard, check_ep, check_tp
 from kvferry.model.qwen3_moe import Qwen3MoeModel
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 # parameters stored [in, out]: the transpose of HF's [out, in] nn.Linear weights
@@ -180,23 +184,63 @@ def _experts_w2(r: CheckpointReader, prefix: str, num_experts: int) -> torch.Ten
     return torch.stack([r.get(f"{prefix}experts.{e}.down_proj.weight") for e in range(num_experts)])
 
 
-def checkpoint_digest(model_dir: Path, sample_bytes: int = 1 << 20) -> str:
-    """A content identity for a checkpoint, stable across processes and hosts (hex).
+DIGEST_CACHE = ".kvferry-digest.json"  # beside the checkpoint: the full-content hash, once per content
+_HASH_CHUNK = 8 << 20
 
-    Covers config.json, and each safetensors file's name, size, header and its first and last
-    `sample_bytes` of data: different weights of the same shape (another seed, another fine-tune)
-    differ there, and it costs a few MB of reads however large the model.
+
+def checkpoint_digest(model_dir: Path) -> str:
+    """The checkpoint's content identity, stable across processes and hosts (hex): a hash of config.json
+    and every byte of every safetensors file (names included).
+
+    Hashing every byte is what makes two checkpoints with the same shapes but different weights (another
+    seed, a fine-tune that touched only middle tensors) never share KV blocks. It costs one read of the
+    weights, once: the result is cached beside the checkpoint in `DIGEST_CACHE`, keyed by each file's
+    size and modification time, so later loads (every worker of the cluster) only stat the files. The
+    first process to hash takes a lock on the cache; the others wait for its result. A read-only model
+    directory is hashed at every load (logged).
     """
+    import fcntl
+
+    files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    cache = model_dir / DIGEST_CACHE
+    try:
+        lock = open(model_dir / (DIGEST_CACHE + ".lock"), "a+")  # noqa: SIM115 (held until the end)
+    except OSError:
+        log.warning("model directory %s is read-only: hashing its weights at every load", model_dir)
+        return _hash_files(files)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process hashes; the others read its result
+        try:
+            cached = json.loads(cache.read_text())
+            if cached.get("files") == stamp:
+                return str(cached["digest"])
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+        digest = _hash_files(files)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"digest": digest, "files": stamp}))
+            os.replace(tmp, cache)
+        except OSError as err:
+            log.warning("cannot cache the checkpoint digest in %s: %s", cache, err)
+        return digest
+
+
+def _hash_files(files: list[Path]) -> str:
     import hashlib
 
+    from tqdm import tqdm
+
     h = hashlib.blake2b(digest_size=16)
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            h.update(f.read(sample_bytes))
-            if size > sample_bytes:
-                f.seek(max(sample_bytes, size - sample_bytes))
-                h.update(f.read(sample_bytes))
+    total = sum(p.stat().st_size for p in files)
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="hashing checkpoint", disable=total < 1 << 30
+    ) as bar:
+        for path in files:
+            h.update(f"{path.name}:{path.stat().st_size}".encode())
+            with path.open("rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    h.update(chunk)
+                    bar.update(len(chunk))
     return h.hexdigest()

@@ -1,0 +1,107 @@
+"""The cluster secret and API keys gate real gRPC servers (threaded and asyncio); health stays open."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvferry import auth, rpc
+
+
+def _list_services(channel, metadata=()) -> list[str]:
+    """A streaming call (server reflection): the gate must handle every RPC kind."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=5
+    )
+    return [s.name for r in replies for s in r.list_services_response.service]
+
+
+def _status(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code()
+
+
+@pytest.fixture
+def secret(monkeypatch) -> str:
+    value = auth.new_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, value)
+    return value
+
+
+def test_a_threaded_server_wants_the_cluster_secret(secret):
+    server, port, health = rpc.start_server(lambda s: None, ["test.Svc"], "127.0.0.1", 0, 4)
+    target = f"127.0.0.1:{port}"
+    try:
+        rpc.set_serving(health, ["test.Svc"])
+        with grpc.insecure_channel(target) as bare:
+            code = _status(lambda: _list_services(bare))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            wrong = ((auth.SECRET_HEADER, secret + "x"),)
+            assert _status(lambda: _list_services(bare, wrong)) == grpc.StatusCode.UNAUTHENTICATED
+            # health is open to probes, and says nothing more than SERVING
+            reply = health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with rpc.channel(target) as ch:  # kvferry's own channels carry the secret
+            assert "test.Svc" in _list_services(ch)
+        assert rpc.check_health(target)
+    finally:
+        server.stop(0)
+
+
+def test_without_a_secret_the_cluster_is_open(monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    server, port, _ = rpc.start_server(lambda s: None, ["test.Svc"], "127.0.0.1", 0, 4)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as bare:
+            assert "test.Svc" in _list_services(bare)
+    finally:
+        server.stop(0)
+
+
+def test_an_asyncio_server_takes_an_api_key_or_the_secret(secret):
+    from grpc_reflection.v1alpha import reflection
+
+    async def main() -> None:
+        creds = auth.Credentials(secret=secret, api_keys=["key-1", "key-2"])
+        server = grpc.aio.server(interceptors=auth.server_interceptors(creds, aio=True))
+        reflection.enable_server_reflection(("test.Svc", reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        target = f"127.0.0.1:{port}"
+
+        async def names(channel, metadata=()) -> list[str]:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo(metadata=metadata, timeout=5)
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            await call.done_writing()
+            return [s.name async for r in call for s in r.list_services_response.service]
+
+        try:
+            async with grpc.aio.insecure_channel(target) as bare:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await names(bare)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "API key" in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await names(bare, (("authorization", "Bearer key-3"),))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "test.Svc" in await names(bare, (("authorization", "Bearer key-2"),))
+            async with rpc.aio_channel(target) as ch:  # the cluster secret is accepted too
+                assert "test.Svc" in await names(ch)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_credentials_check_without_requirements_accepts_anything():
+    assert auth.Credentials().check(None) is None
+    assert auth.Credentials(api_keys=["k"]).check([("authorization", "Bearer k")]) is None
+    assert auth.Credentials(api_keys=["k"]).check([("authorization", "Bearer kk")]) is not None
+    assert auth.Credentials(secret="s").check([]) is not None
