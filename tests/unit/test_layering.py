@@ -25,7 +25,7 @@ ROOMS = {
     "deploy": "deploy",
 }
 # the shared modules in kvferry/ (each its own room: they sit at the bottom, beside the protobufs)
-BASE = {"kvferry.settings", "kvferry.proc", "kvferry.rpc", "kvferry.v1"}
+BASE = {"kvferry.settings", "kvferry.proc", "kvferry.rpc", "kvferry.auth", "kvferry.v1"}
 
 # what each room may import (besides itself and BASE); kvferry.convert is the API <-> engine adapter
 ALLOWED = {
