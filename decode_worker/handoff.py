@@ -12,11 +12,18 @@
   the tokens whose KV arrived and recomputes the rest, so a pool miss costs time, never correctness.
 
 A colocated request (`prefill_here`) skips the hand-off and goes to the engine whole.
+
+The engine thread sends each message to the call's handler (a coroutine on the server's event loop)
+through the stream's `LoopQueue`; an Abort that comes before its Decode call is remembered a while in
+`EarlyAborts`.
 """
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvferry.engine.request import Request
@@ -34,12 +41,28 @@ class HandoffReport:
     recomputed_tokens: int = 0
 
 
+class LoopQueue:
+    """An asyncio.Queue that another thread feeds: `put` from any thread, `get` on the event loop that
+    created it (a message put after that loop closed is dropped: nobody listens any more)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        with contextlib.suppress(RuntimeError):  # the server's loop is closed (shutdown)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def get(self):
+        return await self.queue.get()
+
+
 @dataclass
 class Stream:
-    """One Decode call: its request, the queue its handler thread streams from, its first report."""
+    """One Decode call: its request, the queue its handler streams from, its first report."""
 
     request: worker_pb2.DecodeRequest
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    out: LoopQueue
     req: Request | None = None
     report: HandoffReport | None = field(default_factory=HandoffReport)  # None once sent
 
@@ -52,3 +75,49 @@ class KVPull:
     local: list[int]  # blocks found in the local prefix cache
     reserved: list[int]  # blocks the pulled KV lands in
     remote: list[Location]  # where the rest lies in the pool
+
+
+class EarlyAborts:
+    """Abort calls that came before their Decode call, which then ends at once with "abort".
+
+    Bounded: an entry expires after `ttl_s`, and at most `cap` are kept (the oldest go first). Only an
+    Abort for an id this worker does not hold makes one, and not if a stream of that id finished here
+    within `ttl_s` (that Abort is late, not early): a finished request leaves nothing behind, so its id
+    can be used again at once.
+    """
+
+    def __init__(self, ttl_s: float = 30.0, cap: int = 4096):
+        self.ttl_s, self.cap = ttl_s, cap
+        self.pending: OrderedDict[str, float] = OrderedDict()  # request id -> when its Abort came
+        self.finished: OrderedDict[str, float] = OrderedDict()  # request id -> when its stream ended
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, request_id: str, now: float | None = None) -> bool:
+        """An Abort for an id not held here; True if it is remembered (its Decode call may come)."""
+        now = time.monotonic() if now is None else now
+        self._expire(self.finished, now)
+        if request_id in self.finished:
+            return False
+        self._put(self.pending, request_id, now)
+        return True
+
+    def take(self, request_id: str, now: float | None = None) -> bool:
+        """A Decode call arrived: True if it was aborted already (the entry is used up)."""
+        now = time.monotonic() if now is None else now
+        self.finished.pop(request_id, None)  # a new request holds the id now
+        at = self.pending.pop(request_id, None)
+        return at is not None and now - at <= self.ttl_s
+
+    def stream_finished(self, request_id: str, now: float | None = None) -> None:
+        self._put(self.finished, request_id, time.monotonic() if now is None else now)
+
+    def _put(self, entries: OrderedDict[str, float], request_id: str, now: float) -> None:
+        entries.pop(request_id, None)
+        entries[request_id] = now
+        self._expire(entries, now)
+
+    def _expire(self, entries: OrderedDict[str, float], now: float) -> None:
+        while entries and (len(entries) > self.cap or now - next(iter(entries.values())) > self.ttl_s):
+            entries.popitem(last=False)

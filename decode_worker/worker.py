@@ -2,7 +2,9 @@
 
 A request arrives with its prompt, the first token (sampled by the prefill worker) and where its KV
 lies in the pool, and moves through the stages of `decode_worker.handoff` (prealloc -> transfer ->
-the engine) before it streams tokens; the engine loop polls them between steps. Every rank of an
+the engine) before it streams tokens; the engine loop polls them between steps. A call that ends
+before its stream finished (the client cancelled, or its deadline passed) aborts its request; an
+Abort call may also come before the Decode call it aborts (`EarlyAborts`). Every rank of an
 expert-parallel group serves its own requests and steps in lock-step with the others
 (`kvferry.worker.ep.LockStep`).
 """
@@ -17,7 +19,7 @@ from dataclasses import replace
 import grpc
 
 from kvferry.convert import sampling_from_proto
-from kvferry.decode_worker.handoff import KVPull, Stream
+from kvferry.decode_worker.handoff import EarlyAborts, KVPull, LoopQueue, Stream
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, RequestStatus
@@ -39,7 +41,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
         self.streams: dict[str, Stream] = {}
-        self.tombstones: dict[str, float] = {}  # aborted before their Decode call arrived
+        self.early_aborts = EarlyAborts()  # aborted before their Decode call arrived
         # an expert-parallel rank steps in lock-step with the rest of its group
         self.lockstep = LockStep(engine, self.group.comm) if self.group.size > 1 else None
         self.loop = EngineLoop(
@@ -97,23 +99,30 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         }
 
     # -- gRPC -----------------------------------------------------------------------------------------
-    def Decode(self, request, context):
-        stream = Stream(request)
-        rid = request.request_id
-        context.add_callback(lambda: self.loop.submit(lambda: self._abort(rid)))
-        self.loop.submit(lambda: self._admit(stream))
-        while True:
-            item = stream.out.get()
-            if isinstance(item, InvalidRequestError):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-            if isinstance(item, Exception):
-                context.abort(grpc.StatusCode.INTERNAL, f"decode of {rid} failed: {item}")
-            yield item
-            if item.finish_reason:
-                return
+    async def Decode(self, request, context):
+        async with self.stream_slot(context):
+            stream = Stream(request, LoopQueue())
+            self.loop.submit(lambda: self._admit(stream))
+            finished = False
+            try:
+                while not finished:
+                    item = await stream.out.get()
+                    if isinstance(item, Exception):  # the engine side has dropped the stream already
+                        finished = True
+                        if isinstance(item, InvalidRequestError):
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                        await context.abort(
+                            grpc.StatusCode.INTERNAL, f"decode of {request.request_id} failed: {item}"
+                        )
+                    finished = bool(item.finish_reason)
+                    yield item
+            finally:
+                if not finished:  # the call ended first (cancelled, deadline): its request goes too
+                    self.loop.submit(lambda: self._cancel(stream))
 
-    def Abort(self, request, context):
-        return worker_pb2.WorkerAbortResponse(found=self.loop.call(lambda: self._abort(request.request_id)))
+    async def Abort(self, request, context):
+        found = await self.call(context, lambda: self._abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=found)
 
     def _stats(self) -> worker_pb2.WorkerStats:
         return super()._stats(
@@ -126,7 +135,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def _admit(self, stream: Stream) -> None:
         r = stream.request
         params = replace(sampling_from_proto(r.sampling), stop=())  # stop strings are the router's
-        if self.tombstones.pop(r.request_id, None) is not None:  # aborted before it got here
+        if self.early_aborts.take(r.request_id):  # aborted before it got here
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return
         try:
@@ -244,6 +253,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             stream.out.put(msg)
             if out.finished:
                 del self.streams[out.request_id]
+                self.early_aborts.stream_finished(out.request_id)
 
     def _fail_all(self, err: Exception) -> None:
         """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
@@ -252,6 +262,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 continue  # not in the failed step (still in prealloc or transfer, or aborted there)
             self.engine.abort(request_id)
             self.streams.pop(request_id, None)
+            self.early_aborts.stream_finished(request_id)
             stream.out.put(RuntimeError(f"engine step failed: {err}"))
         self.leave_group_if_broken(err)
 
@@ -259,17 +270,20 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         rid = stream.request.request_id
         if self.streams.get(rid) is stream:  # (a newer call may have taken the id meanwhile)
             del self.streams[rid]
+            self.early_aborts.stream_finished(rid)
         stream.out.put(worker_pb2.DecodeResponse(finish_reason=reason))
+
+    def _cancel(self, stream: Stream) -> None:
+        """The Decode call ended before its stream did: abort its request (if it is still this call's;
+        it never leaves an early abort behind)."""
+        rid = stream.request.request_id
+        if self.streams.get(rid) is stream:
+            self._abort(rid)
 
     def _abort(self, request_id: str) -> bool:
         stream = self.streams.get(request_id)
         if stream is None:
-            # the Decode call may still be on its way: remember the abort for a while
-            now = time.monotonic()
-            self.tombstones[request_id] = now
-            for rid, at in list(self.tombstones.items()):
-                if now - at > 60:
-                    del self.tombstones[rid]
+            self.early_aborts.add(request_id)  # its Decode call may still be on its way
             return False
         if stream in self.prealloc:
             self.prealloc.remove(stream)

@@ -1,8 +1,10 @@
 """The engine thread: one thread owns the engine; everything else hands it closures.
 
-gRPC handler threads and transfer threads never touch the engine: they `submit` closures to the
-`EngineLoop` inbox (or `call` one and wait for its result), and the loop runs them between steps,
-then polls the hand-off stages (`idle_hook`) and steps while there is work.
+gRPC handlers and transfer threads never touch the engine: they `submit` closures to the
+`EngineLoop` inbox (or `call` one and get its result or its exception), and the loop runs them between
+steps, then polls the hand-off stages (`idle_hook`) and steps while there is work. Every iteration it
+completes is recorded (`progress`): a loop stuck in a step or a collective shows as stalled, which is
+what the worker's heartbeat checks before it re-registers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvferry.engine.engine import LLMEngine
 
@@ -20,6 +23,47 @@ log = logging.getLogger(__name__)
 
 
 PACE_MIN_RUNNING = 4  # requests running before decode_step_interval_ms paces the steps
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop has stopped: a call submitted to it will never run."""
+
+
+@dataclass
+class Progress:
+    """When the engine loop last completed an iteration (time.monotonic).
+
+    An idle loop completes one every few tens of milliseconds, so the time since the last one is how
+    long the loop has been inside one piece of work (a step, a closure, a collective).
+    """
+
+    last: float = field(default_factory=time.monotonic)
+
+    def tick(self, now: float | None = None) -> None:
+        self.last = time.monotonic() if now is None else now
+
+    def stalled_for(self, now: float | None = None) -> float:
+        return max(0.0, (time.monotonic() if now is None else now) - self.last)
+
+    def stalled(self, limit_s: float, now: float | None = None) -> bool:
+        """True once the current iteration has run longer than `limit_s`."""
+        return self.stalled_for(now) > limit_s
+
+
+@dataclass
+class _Call:
+    """An inbox entry whose result (or exception) someone waits for."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
+
+    def __call__(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # the caller gave up on it
+        try:
+            self.future.set_result(self.fn())
+        except Exception as err:  # the caller gets it (raised from its `result()`)
+            self.future.set_exception(err)
 
 
 class EngineLoop(threading.Thread):
@@ -56,6 +100,7 @@ class EngineLoop(threading.Thread):
         self.on_sync_lost = on_sync_lost  # the sync failed (a rank is gone); the loop stops after it
         self.idle_wait_s = 0.005 if sync is not None else 0.05
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.progress = Progress()
         self.wake = threading.Event()
         self.stopped = threading.Event()
         self.step_interval_s = (step_interval_ms or 0.0) / 1e3  # pacing (see the class docstring)
@@ -65,14 +110,45 @@ class EngineLoop(threading.Thread):
         self.inbox.put(fn)
         self.wake.set()
 
-    def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
-        """Run `fn` on the engine thread between steps and return its result (for handler threads)."""
+    def call_future(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between steps; the future gets its result or its exception,
+        or EngineStopped if the loop has stopped (or stops before it runs)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.submit(lambda: done.set_result(fn()))
-        return done.result(timeout=timeout_s)
+        self.submit(_Call(fn, done))
+        if self.stopped.is_set():  # the loop may have drained its inbox already: nobody else will
+            self._fail_pending()
+        return done
+
+    def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
+        """`call_future(fn)`'s result: raises what `fn` raised, EngineStopped, or TimeoutError."""
+        return self.call_future(fn).result(timeout=timeout_s)
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.stopped.set()
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """The loop is done: whoever waits on a call learns it now (plain closures are dropped)."""
+        dropped = 0
+        while True:
+            try:
+                fn = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(fn, _Call):
+                if fn.future.set_running_or_notify_cancel():
+                    fn.future.set_exception(EngineStopped("the engine loop has stopped"))
+            else:
+                dropped += 1
+        if dropped:
+            log.info("engine loop stopped with %d task(s) not run", dropped)
+
+    def _run(self) -> None:
         while not self.stopped.is_set():
+            self.progress.tick()
             ran = self._drain()
             if self.idle_hook is not None:
                 try:
@@ -115,7 +191,7 @@ class EngineLoop(threading.Thread):
 
     def _drain(self) -> bool:
         ran = False
-        while True:
+        while not self.stopped.is_set():  # once stopped, what is left fails (_fail_pending)
             try:
                 fn = self.inbox.get_nowait()
             except queue.Empty:
@@ -125,6 +201,7 @@ class EngineLoop(threading.Thread):
                 fn()
             except Exception:
                 log.exception("engine task failed")
+        return ran
 
     def stop(self) -> None:
         self.stopped.set()

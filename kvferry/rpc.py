@@ -1,13 +1,20 @@
-"""gRPC plumbing shared by every kvferry server: health, reflection, registry heartbeats, errors."""
+"""gRPC plumbing shared by every kvferry server: health, reflection, registry heartbeats, errors.
+
+Two kinds of server: `start_server`, a threaded one (the pool node: every call is short), and
+`AioServer`, a grpc.aio server on its own event-loop thread (the workers: a streaming call holds no
+thread, so the calls a worker can hold open are bounded by its own limit, not by a thread pool).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -74,6 +81,69 @@ def start_server(
     return server, bound, health_servicer
 
 
+class AioServer:
+    """A grpc.aio server on host:port (0 = any free port) served by its own event-loop thread, with
+    health (every service starts NOT_SERVING) and reflection. For a process whose main thread does
+    other work: every method here is called from outside the loop and waits for it.
+
+    Async handlers run on the loop; sync ones on `handler_threads` threads (grpc's
+    migration_thread_pool), so a short unary call never queues behind the streams.
+    """
+
+    def __init__(
+        self,
+        add_servicers: Callable[[grpc.aio.Server], None],
+        names: Sequence[str],
+        host: str,
+        port: int,
+        handler_threads: int = 8,
+    ):
+        self.names = list(names)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self.thread.start()
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server = self.run(self._start(add_servicers, host, port, handler_threads))
+
+    def run(self, coro, timeout_s: float | None = 30.0):
+        """Run `coro` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self, add_servicers, host: str, port: int, handler_threads: int) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            futures.ThreadPoolExecutor(handler_threads, thread_name_prefix="grpc-handler"),
+            options=CHANNEL_OPTIONS,
+            interceptors=server_interceptors(aio=True),  # the cluster secret (kvferry.auth)
+        )
+        add_servicers(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await self._set(False)
+        names = (*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        await server.start()
+        return server
+
+    async def _set(self, serving: bool) -> None:
+        codes = health_pb2.HealthCheckResponse
+        status = codes.SERVING if serving else codes.NOT_SERVING
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+    def set_serving(self, serving: bool = True) -> None:
+        self.run(self._set(serving))
+
+    def stop(self, grace_s: float) -> None:
+        """Stop taking calls, give the open ones `grace_s` to end (then cancel them), stop the loop."""
+        try:
+            self.run(self.server.stop(grace_s), grace_s + 10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+
 def check_health(target: str, timeout: float = 1.0) -> bool:
     try:
         with channel(target) as ch:
@@ -87,20 +157,40 @@ class Heartbeat(threading.Thread):
     """Re-registers `info()` under (role, member_id) every `interval_s` with a TTL of `ttl_s`.
 
     Re-sending the whole record (not just refreshing the TTL) is what lets a restarted Redis learn the
-    cluster again within one interval.
+    cluster again within one interval. Liveness is progress, not a live thread: while `stalled()` says
+    why the member is stuck (a string; None when it makes progress) it is not re-registered, so its
+    record expires and the router stops sending it requests; it registers again once progress resumes.
     """
 
     def __init__(
-        self, store, role: str, member_id: str, info: Callable[[], dict], interval_s: float, ttl_s: float
+        self,
+        store,
+        role: str,
+        member_id: str,
+        info: Callable[[], dict],
+        interval_s: float,
+        ttl_s: float,
+        stalled: Callable[[], str | None] | None = None,
     ):
         super().__init__(name=f"heartbeat-{role}", daemon=True)
         self.store, self.role, self.member_id, self.info = store, role, member_id, info
         self.interval_s, self.ttl_s = interval_s, ttl_s
+        self.stalled = stalled
+        self.withheld = False  # the last beat skipped the registration (stalled)
         self.stopped = threading.Event()
         self.extra: list[Callable[[], None]] = []  # other periodic chores run on the same thread
 
     def beat(self) -> None:
-        self.store.register(self.role, self.member_id, self.info(), self.ttl_s)
+        problem = self.stalled() if self.stalled is not None else None
+        if problem is not None:
+            if not self.withheld:
+                log.error("%s %s stalled (%s): not re-registering", self.role, self.member_id, problem)
+            self.withheld = True
+        else:
+            if self.withheld:
+                log.warning("%s %s makes progress again: registering", self.role, self.member_id)
+            self.withheld = False
+            self.store.register(self.role, self.member_id, self.info(), self.ttl_s)
         for chore in self.extra:
             try:
                 chore()

@@ -4,7 +4,10 @@ A group of N ranks holds two process groups over one TCPStore: `cpu` (always glo
 step inputs, the lock-step sync) and `device` (the tensors of the forward pass: NCCL when the ranks
 run on CUDA, the same gloo group on CPU). `Comm` calls the process-group objects directly rather
 than through the global default group, so several groups (and, in tests, several ranks as threads)
-can live in one process. A `Comm` of size 1 turns every collective into a no-op.
+can live in one process. A `Comm` of size 1 turns every collective into a no-op. A group is formed
+with a long timeout (SETUP_TIMEOUT_S: every rank joins and loads its weights at its own pace); a
+serving group then shortens it (`Comm.set_timeout`), so a collective waiting on a hung rank fails
+within that time instead of holding the group for minutes.
 
 Tensor parallelism (Megatron): attention heads and KV heads are split across ranks (KV heads are
 replicated when ranks outnumber them), QKV and gate/up are column-parallel, the output and down
@@ -21,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+SETUP_TIMEOUT_S = 600.0  # forming the group, and whatever runs before `Comm.set_timeout`
+
 
 class ParallelConfigError(ValueError):
     """A parallel degree the model cannot be split by (the message says which dimension)."""
@@ -33,10 +38,17 @@ class Comm:
         self.rank, self.size = rank, size
         self.cpu = cpu  # gloo ProcessGroup (None when size == 1)
         self.device = device if device is not None else cpu
+        self.timeout_s = SETUP_TIMEOUT_S  # how long a collective waits for the other ranks
 
     @classmethod
     def single(cls) -> Comm:
         return cls()
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Every later collective of this group (both process groups) fails after `timeout_s`."""
+        for pg in {id(g): g for g in (self.cpu, self.device) if g is not None}.values():
+            pg._set_default_timeout(timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, cpu: bool = False) -> torch.Tensor:
         """In place; returns `t`."""
@@ -97,7 +109,7 @@ def init_group(
     size: int,
     device: torch.device,
     host: str = "127.0.0.1",
-    timeout_s: float = 600.0,
+    timeout_s: float = SETUP_TIMEOUT_S,
 ) -> Comm:
     """Join group `name` of `size` ranks on `store` (blocks until every rank joined)."""
     if size == 1:
@@ -112,7 +124,9 @@ def init_group(
         nccl._timeout = timedelta(seconds=timeout_s)
         prefix = dist.PrefixStore(f"kvferry/group/{name}/nccl/", store)
         dev = dist.ProcessGroupNCCL(prefix, rank, size, nccl)
-    return Comm(rank, size, cpu, dev)
+    comm = Comm(rank, size, cpu, dev)
+    comm.timeout_s = timeout_s
+    return comm
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """The prefill worker: the engine in prefill-only mode behind the PrefillWorker gRPC service.
 
 A Prefill call moves through the stages of `prefill_worker.handoff` (prefix lookup -> prefix pull ->
-prefilling -> KV write -> answered); the engine loop polls them between steps. Rank 0 of a
+prefilling -> KV write -> answered); the engine loop polls them between steps, and the call's handler
+(a coroutine on the server's event loop) awaits the job's answer. A call that ends before it is
+answered (cancelled, deadline) cancels its job. Rank 0 of a
 tensor-parallel group runs all of it and has the other ranks follow (`kvferry.worker.tp`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -75,21 +78,23 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         }
 
     # -- gRPC -----------------------------------------------------------------------------------------
-    def Prefill(self, request, context):
-        job = PrefillJob(request, time.perf_counter())
-        rid = request.request_id
-        context.add_callback(lambda: self.loop.submit(lambda: self._cancel(rid)))
-        self.loop.submit(lambda: self._admit(job))
-        try:
-            return job.future.result()
-        except InvalidRequestError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except concurrent.futures.CancelledError:
-            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
-        except PoolError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        except Exception as err:
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
+    async def Prefill(self, request, context):
+        async with self.stream_slot(context):
+            job = PrefillJob(request, time.perf_counter())
+            rid = request.request_id
+            self.loop.submit(lambda: self._admit(job))
+            try:
+                # shielded: a cancelled call cancels its job on the engine thread (_cancel), not here
+                return await asyncio.shield(asyncio.wrap_future(job.future))
+            except asyncio.CancelledError:
+                self.loop.submit(lambda: self._cancel(rid, job))
+                raise
+            except InvalidRequestError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except PoolError as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            except Exception as err:
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
 
     def _stats(self) -> worker_pb2.WorkerStats:
         return super()._stats(prompt_tokens_computed=self.counters["prompt_tokens_computed"])
@@ -326,9 +331,9 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
         self.leave_group_if_broken(err)
 
-    def _cancel(self, request_id: str) -> None:
-        job = self.jobs.get(request_id)
-        if job is None or job.future.done():
+    def _cancel(self, request_id: str, job: PrefillJob) -> None:
+        """The call ended before its answer: drop its job (if that is still the request under this id)."""
+        if self.jobs.get(request_id) is not job or job.future.done():
             return
         self.lookups.discard(request_id)
         self.pulls.discard(request_id)  # its reserved blocks are freed when the pull ends (_poll)

@@ -1,15 +1,17 @@
 """A worker group: one prefill (tensor-parallel) or decode (expert-parallel) replica of 1..N ranks.
 
-Rank 0 hosts the group's TCPStore and, started alone, spawns the other ranks itself (this command
-again with `--rank r --dist-init HOST:PORT`); an external launcher (Ray) starts every rank with those
-flags instead. Every rank then joins the group's process group (`init_group`: gloo on CPU, NCCL with
-a gloo side group on GPU). A lone worker is a group of one and forms nothing.
+Rank 0 hosts the group's TCPStore (listening on the worker's --host only) and, started alone, spawns the other
+ranks itself (this command again with `--rank r --dist-init HOST:PORT`); an external launcher (Ray)
+starts every rank with those flags instead. Every rank then joins the group's process group
+(`init_group`: gloo on CPU, NCCL with a gloo side group on GPU). A lone worker is a group of one and
+forms nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from kvferry.engine.engine import EngineConfig
 from kvferry.model.parallel import Comm, init_group
-from kvferry.proc import die_with_parent, free_port, terminate
+from kvferry.proc import die_with_parent, terminate
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +63,14 @@ def form_group(
     children = []
     if args.dist_init:
         host, _, port = args.dist_init.rpartition(":")
-        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, wait_for_workers=False)
+        if rank == 0:
+            store = host_store(host, int(port), size)
+        else:
+            store = dist.TCPStore(host, int(port), size, is_master=False, wait_for_workers=False)
     else:
         if args.rank:
             raise SystemExit("--rank > 0 needs --dist-init HOST:PORT (rank 0's group store)")
-        store = dist.TCPStore(args.host, free_port(args.host), size, is_master=True, wait_for_workers=False)
+        store = host_store(args.host, 0, size)
         init = f"{args.host}:{store.port}"
         for r in range(1, size):  # the other ranks: this command again, with their rank
             cmd = [sys.executable, "-m", f"kvferry.{role}_worker", *argv, "--worker-id", group_id]
@@ -78,6 +83,23 @@ def form_group(
     log.info("joining group %s as rank %d of %d", group_id, rank, size)
     comm = init_group(store, group_id, rank, size, device, args.host)
     return Group(group_id, rank, size, comm, children, store), cfg
+
+
+def host_store(host: str, port: int, size: int) -> dist.TCPStore:
+    """Rank 0's TCPStore on host:port (0: any free port), listening on `host` only: torch's own
+    listener would bind every interface, so the store gets a socket bound here instead."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(host, bound, size, is_master=True, wait_for_workers=False, master_listen_fd=fd)
 
 
 def group_min(comm: Comm, value: int) -> int:

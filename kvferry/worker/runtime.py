@@ -2,9 +2,10 @@
 
 `python -m kvferry.prefill_worker` / `kvferry.decode_worker` call `run_worker` with their servicer.
 It forms the worker group (`kvferry.worker.group`), builds the engine and the pool client, serves the
-gRPC service, registers the worker in the Redis registry (role prefill|decode) with a heartbeat so
-the router finds it and notices when it dies, and on SIGTERM/SIGINT drains: the registry says it is
-draining, it finishes what it holds, then exits.
+gRPC service (a grpc.aio server on its own thread, `kvferry.rpc.AioServer`), registers the worker in
+the Redis registry (role prefill|decode) with a heartbeat so the router finds it and notices when it
+dies or hangs (no re-registration while the engine loop is stalled), and on SIGTERM/SIGINT drains:
+the registry says it is draining, it finishes what it holds, then exits.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.proc import settle_heap
-from kvferry.rpc import Heartbeat, hard_exit, service_names, set_serving, start_server
-from kvferry.worker.group import form_group
-from kvferry.worker.service import EngineWorker, kv_layout
+from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
+from kvferry.worker.group import Group, form_group
+from kvferry.worker.service import EngineWorker, default_max_streams, kv_layout
 from kvferry.worker.tp import follow
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,27 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=30.0,
+        help="an engine loop inside one iteration (a step, a collective) longer than this counts as hung: "
+        "the worker stops re-registering, so the router drops it, until the loop moves again",
+    )
+    p.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=None,
+        help="Decode/Prefill calls held open at most (beyond: RESOURCE_EXHAUSTED); default "
+        "max(1024, 4 * --max-num-seqs)",
+    )
+    p.add_argument(
+        "--group-timeout-s",
+        type=float,
+        default=60.0,
+        help="a collective of a multi-rank group that waits longer than this fails (the group exits); "
+        "joining the group and loading the weights get kvferry.model.parallel.SETUP_TIMEOUT_S",
+    )
     p.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -98,6 +120,7 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     engine = LLMEngine(cfg, parallel)
     meta = MetadataStore(args.redis_url, args.namespace)
     pool = PoolClient(meta, kv_layout(engine), peer_id=worker_id, host=args.host, device=str(engine.device))
+    serving_timeouts(group, args.group_timeout_s)
     if cfg.tensor_parallel_size > 1 and group.rank > 0:
         # rank 0 tells this rank when to stop (after its drain); a signal here would break the group
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,15 +131,18 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
             pool.close()
         hard_exit(0)
     servicer = make_servicer(engine, pool, worker_id, group)
-    names = service_names(descriptor)
-    server, port, health = start_server(lambda s: add_to_server(servicer, s), names, args.host, args.port, 64)
-    addr = f"{args.host}:{port}"
+    servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
+    server = AioServer(lambda s: add_to_server(servicer, s), service_names(descriptor), args.host, args.port)
+    addr = f"{args.host}:{server.port}"
 
     def info() -> dict:
         record = {"addr": addr, "group": group.group_id, "rank": group.rank, **servicer.load()}
         return {**record, "draining": servicer.draining}
 
-    heartbeat = Heartbeat(meta, role, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s)
+    def stalled() -> str | None:
+        return stall_reason(servicer, args.stall_timeout_s)
+
+    heartbeat = Heartbeat(meta, role, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s, stalled)
     stop = servicer.drain_requested
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -124,16 +150,16 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     heartbeat.beat()
     heartbeat.start()
     settle_heap()
-    set_serving(health, names)
-    log.info("%s worker %s serving on %s", role, worker_id, addr)
+    server.set_serving()
+    log.info("%s worker %s serving on %s (open calls <= %d)", role, worker_id, addr, servicer.max_streams)
     stop.wait()
     drain(servicer, heartbeat, args.drain_timeout_s)
     watchdog = threading.Timer(SHUTDOWN_S, _shutdown_stuck)  # whatever hangs, the process ends
     watchdog.daemon = True
     watchdog.start()
-    set_serving(health, names, False)
+    server.set_serving(False)
     heartbeat.stop()
-    server.stop(grace=3).wait()
+    server.stop(grace_s=3)
     log.info("shutdown: gRPC server stopped")
     servicer.stop()
     log.info("shutdown: engine stopped")
@@ -144,6 +170,23 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
 
 
 SHUTDOWN_S = 30.0  # after the drain: server grace 3 s + engine 5 s + group ranks 10 s, with margin
+
+
+def serving_timeouts(group: Group, timeout_s: float) -> None:
+    """Every rank has joined and loaded its weights (under the group's setup timeout, however long one
+    rank took): meet once more, then let every later collective fail after `timeout_s` (a serving
+    group must not wait minutes on a rank that hangs)."""
+    if group.size > 1:
+        group.comm.barrier()
+        group.comm.set_timeout(timeout_s)
+
+
+def stall_reason(servicer: EngineWorker, limit_s: float) -> str | None:
+    """Why the worker should not count as alive (None: it makes progress)."""
+    loop = servicer.loop
+    if loop.progress.stalled(limit_s):
+        return f"the engine loop has been in one iteration for {loop.progress.stalled_for():.0f}s"
+    return None
 
 
 def _shutdown_stuck() -> None:

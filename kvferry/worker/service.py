@@ -1,21 +1,28 @@
 """The base of both worker services: the engine thread, the transfer thread, counters, info and stats.
 
-The engine is single-threaded: gRPC handler threads never touch it, they hand closures to the
-`EngineLoop` inbox, and the loop runs them between steps. KV transfers (pool lookups, pulls, writes)
-run on one transfer thread per worker; their hand-off stages (`kvferry.worker.stages`) are polled by
-the engine loop.
+The engine is single-threaded: the gRPC handlers (coroutines on the server's event loop,
+`kvferry.rpc.AioServer`) never touch it, they hand closures to the `EngineLoop` inbox, and the loop
+runs them between steps; results come back to the event loop (`call`, or a stream's queue). So an open
+call holds no thread: how many a worker holds is bounded only by `max_streams` (RESOURCE_EXHAUSTED
+beyond it). KV transfers (pool lookups, pulls, writes) run on one transfer thread per worker; their
+hand-off stages (`kvferry.worker.stages`) are polled by the engine loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+
+import grpc
 
 from kvferry.engine.engine import LLMEngine
-from kvferry.engine.loop import EngineLoop
+from kvferry.engine.loop import EngineLoop, EngineStopped
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
@@ -23,6 +30,12 @@ from kvferry.v1 import worker_pb2
 from kvferry.worker.group import Group
 
 log = logging.getLogger(__name__)
+
+
+def default_max_streams(max_num_seqs: int) -> int:
+    """Calls a worker holds open at most, unless told otherwise: a generous multiple of its batch (the
+    rest wait in its queues; far beyond that, another worker serves them sooner)."""
+    return max(1024, 4 * max_num_seqs)
 
 
 class EngineWorker:
@@ -44,6 +57,8 @@ class EngineWorker:
         self.loop: EngineLoop
         self.draining = False  # takes no new requests (the registry says so); finishes the ones it has
         self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT, or by a draining group mate
+        self.max_streams = default_max_streams(engine.cfg.max_num_seqs)  # open Decode/Prefill calls
+        self.open_streams = 0  # (event-loop thread only)
 
     def start(self) -> None:
         self.loop.start()
@@ -79,11 +94,39 @@ class EngineWorker:
         self.group.stop_children(timeout_s=2)
         hard_exit(1)
 
+    @contextlib.asynccontextmanager
+    async def stream_slot(self, context):
+        """Hold one of the worker's `max_streams` call slots for a Decode/Prefill call (refused with
+        RESOURCE_EXHAUSTED when all are taken). Event-loop thread."""
+        if self.open_streams >= self.max_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.role} worker {self.worker_id} holds {self.open_streams} calls, its limit "
+                f"(--max-concurrent-streams {self.max_streams}): retry later or on another worker",
+            )
+        self.open_streams += 1
+        try:
+            yield
+        finally:
+            self.open_streams -= 1
+
+    async def call(self, context, fn: Callable[[], object], timeout_s: float = 30.0):
+        """Run `fn` on the engine thread and return its result, from a handler on the event loop."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.loop.call_future(fn)), timeout_s)
+        except EngineStopped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is stopping")
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {self.worker_id}'s engine did not answer in {timeout_s}s",
+            )
+
     def GetWorkerInfo(self, request, context):
         return worker_info(self.engine, self.role, self.worker_id)
 
-    def GetStats(self, request, context):
-        return self.loop.call(self._stats)
+    async def GetStats(self, request, context):
+        return await self.call(context, self._stats)
 
     def _stats(self, **extra) -> worker_pb2.WorkerStats:
         """The counters and engine figures every worker reports (runs on the engine thread)."""

@@ -31,7 +31,7 @@ from kvferry.worker.group import Group, group_min
 
 log = logging.getLogger(__name__)
 
-PING_S = 30.0  # an idle leader's keep-alive to its followers (the group timeout is 600 s)
+PING_S = 30.0  # an idle leader's keep-alive to its followers (more often with a short group timeout)
 
 
 def step_to_proto(step: StepInputs) -> worker_pb2.GroupStep:
@@ -93,7 +93,8 @@ class TPLeader:
             hard_exit(1)
 
     def keepalive(self) -> None:
-        if self.active and time.monotonic() - self.last_command > PING_S:
+        every = min(PING_S, self.group.comm.timeout_s / 4)  # a waiting follower's collective times out
+        if self.active and time.monotonic() - self.last_command > every:
             self._send(worker_pb2.GroupCommand(ping=True))
 
     def pull(self, request_id: str, locations: list[Location], block_ids: list[int]) -> None:

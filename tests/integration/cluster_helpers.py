@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-import grpc
-
+from kvferry import rpc
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -35,7 +34,7 @@ class Members:
         members = wait_for(lambda: meta.members(role), what=f"{role} registry")
         out = {}
         for member_id, info in sorted(members.items()):
-            channel = grpc.insecure_channel(info["addr"])
+            channel = rpc.channel(info["addr"])
             self.channels.append(channel)
             out[member_id] = cls(channel)
         return out

@@ -8,6 +8,7 @@ import pytest
 from conftest import make_cluster_config
 from test_cluster import greedy, random_prompt, wait_for
 
+from kvferry import rpc
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client
@@ -29,7 +30,7 @@ def colocated(redis_server, tiny_model_dir, tmp_path_factory):
 def decode_stats(colocated):
     meta = MetadataStore(colocated.redis_url, colocated.cfg.namespace)
     (info,) = wait_for(lambda: meta.members("decode"), what="decode registry").values()
-    with grpc.insecure_channel(info["addr"]) as channel:
+    with rpc.channel(info["addr"]) as channel:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         yield lambda: stub.GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
 

@@ -1,11 +1,13 @@
-"""The worker's engine thread survives a failing step and reports it."""
+"""The worker's engine thread: survives a failing step, answers calls (or fails them fast), shows stalls."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from kvferry.engine.loop import EngineLoop
+import pytest
+
+from kvferry.engine.loop import EngineLoop, EngineStopped, Progress
 
 
 class FlakyEngine:
@@ -79,3 +81,89 @@ def test_paced_steps_wait_for_the_interval_once_enough_requests_run():
     assert sum(fast) < 0.030 * len(fast) / 2
     # no interval: no pacing
     assert sum(run_steps(CountingEngine(running=8, steps=50))) < 0.030 * 49 / 2
+
+
+class IdleEngine:
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def test_call_raises_what_the_function_raised_at_once():
+    loop = EngineLoop(IdleEngine(), lambda outputs: None)
+    loop.start()
+    try:
+        assert loop.call(lambda: 41 + 1) == 42
+
+        def boom():
+            raise KeyError("nope")
+
+        started = time.monotonic()
+        with pytest.raises(KeyError, match="nope"):
+            loop.call(boom, timeout_s=20)
+        assert time.monotonic() - started < 5  # not the call's timeout
+    finally:
+        loop.stop()
+        loop.join(10)
+
+
+def test_call_fails_fast_once_the_loop_has_stopped():
+    loop = EngineLoop(IdleEngine(), lambda outputs: None)
+    loop.start()
+    loop.stop()
+    loop.join(10)
+    started = time.monotonic()
+    with pytest.raises(EngineStopped):
+        loop.call(lambda: 1, timeout_s=20)
+    assert time.monotonic() - started < 5
+
+
+def test_calls_pending_when_the_loop_stops_fail():
+    loop = EngineLoop(IdleEngine(), lambda outputs: None)
+    loop.start()
+    release, entered = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(10)
+
+    loop.submit(hold)
+    assert entered.wait(10)
+    pending = [loop.call_future(lambda: 1) for _ in range(3)]  # queued behind `hold`
+    loop.stop()
+    release.set()
+    loop.join(10)
+    for future in pending:
+        with pytest.raises(EngineStopped):
+            future.result(timeout=5)
+
+
+def test_progress_records_iterations_and_shows_a_stall():
+    progress = Progress(last=100.0)
+    assert not progress.stalled(30.0, now=120.0)
+    assert progress.stalled(30.0, now=131.0)
+    progress.tick(now=131.0)
+    assert not progress.stalled(30.0, now=131.5)
+    assert progress.stalled_for(now=130.0) == 0.0  # never negative
+
+
+def test_a_loop_blocked_in_its_work_stops_making_progress():
+    loop = EngineLoop(IdleEngine(), lambda outputs: None)
+    loop.start()
+    release = threading.Event()
+    try:
+        time.sleep(0.2)
+        assert not loop.progress.stalled(0.5)  # idle: iterates every idle wait
+        loop.submit(lambda: release.wait(10))  # the engine thread hangs in its work
+        deadline = time.monotonic() + 10
+        while not loop.progress.stalled(0.5) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.progress.stalled(0.5)
+        release.set()
+        deadline = time.monotonic() + 10
+        while loop.progress.stalled(0.5) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not loop.progress.stalled(0.5)  # progress resumed
+    finally:
+        release.set()
+        loop.stop()
+        loop.join(10)
