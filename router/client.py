@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvferry.auth import client_interceptors
 from kvferry.rpc import CHANNEL_OPTIONS
 from kvferry.v1 import generate_pb2, generate_pb2_grpc
 
@@ -39,9 +40,20 @@ def build_request(
 
 
 class Client:
-    def __init__(self, target: str):
+    """The router's public gRPC API. `api_key`: sent as `authorization: Bearer <key>` on every call;
+    `root_certificates`: PEM bytes of the CA (or the self-signed certificate) to trust, which makes the
+    channel TLS."""
+
+    def __init__(self, target: str, api_key: str | None = None, root_certificates: bytes | None = None):
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        if api_key:
+            interceptors = client_interceptors([("authorization", f"Bearer {api_key}")])
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Iterator:

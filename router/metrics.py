@@ -66,6 +66,11 @@ class RouterMetrics:
         }
         self.success = counter("request_success_total", "Finished requests by reason.", ["finished_reason"])
         self.requests = counter("requests_total", "Requests by API and final status code.", ["api", "code"])
+        self.failovers = counter(
+            "worker_failovers_total",
+            "Worker calls retried on another worker, by role and code.",
+            ["role", "code"],
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
         self.cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up.")
@@ -74,6 +79,10 @@ class RouterMetrics:
             "Prompt tokens served by a cache.",
             ["source"],
         )
+
+    def failover(self, role: str, code: str) -> None:
+        """A failed worker call was tried again on another worker of `role` (router.failover)."""
+        self.failovers.labels(self.model_name, role, code).inc()
 
     def track(self, api: str, t0: float) -> RequestTrack:
         return RequestTrack(self, api, t0)

@@ -10,6 +10,9 @@ the pool exactly as a gRPC cancel does.
     POST /v1/completions        prompt: text, token ids, or a list of either
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
     GET  /v1/models, GET /health (503 until the cluster is ready), GET /metrics
+
+Given API keys (--api-key), every route but /health and /metrics asks for `Authorization: Bearer <key>`
+(401 with an OpenAI error body otherwise). A body over --max-request-bytes is refused (413) unread.
 """
 
 from __future__ import annotations
@@ -43,11 +46,16 @@ log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
 
 
 class ApiError(Exception):
@@ -145,6 +153,21 @@ def build_app(router: Router) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
+    @app.middleware("http")
+    async def _gate(request: Request, call_next):
+        """API keys first (nothing is read for a caller without one), then the body's size."""
+        gated = router.cfg.api_keys and request.url.path not in OPEN_PATHS
+        if gated and router.credentials.check(request.headers.items()) is not None:
+            return ApiError(
+                401, "missing or invalid API key (send the header 'Authorization: Bearer <key>')"
+            ).response()
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > router.cfg.max_request_bytes:
+            return ApiError(
+                413, f"the body has {length} bytes; at most {router.cfg.max_request_bytes} are accepted"
+            ).response()
+        return await call_next(request)
+
     @app.get("/health")
     async def health() -> Response:
         if router.directory.ready:
@@ -159,7 +182,7 @@ def build_app(router: Router) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "kvferry",
-            "root": str(router.model_dir),
+            "root": router.served_model_name,  # never the checkpoint's path
             "parent": None,
         }
         if info is not None:
@@ -207,24 +230,27 @@ def build_app(router: Router) -> FastAPI:
             )
         except (InvalidRequestError, ChatTemplateError) as err:
             raise ApiError(400, str(err), "messages") from None
-        ids = router.tokenizer.encode(text)
-        max_tokens = body.max_new_tokens
-        if max_tokens is None and router.directory.model is not None:  # as many as fit
-            max_tokens = max(1, router.directory.model.max_model_len - len(ids))
-        req = generate_pb2.GenerateRequest(request_id=f"{rid}-0", sampling=body.sampling(max_tokens))
-        req.token_ids.ids.extend(ids)
+        # the router tokenizes the rendered text (off the loop, after admission); an unset max_tokens
+        # means as many as fit
+        req = generate_pb2.GenerateRequest(
+            request_id=f"{rid}-0", text=text, sampling=body.sampling(body.max_new_tokens)
+        )
         shape = ResponseShape(True, f"chatcmpl-{rid}", router.served_model_name, body.return_token_ids)
-        return await respond(request, body, [req], shape, "messages")
+        return await respond(request, body, [req], shape, "messages", fill_max_tokens=True)
 
-    async def respond(request: Request, body, reqs, shape: ResponseShape, prompt_field: str) -> Response:
+    async def respond(
+        request: Request, body, reqs, shape: ResponseShape, prompt_field: str, fill_max_tokens: bool = False
+    ) -> Response:
         handles: list[Inflight] = []
         try:
             for req in reqs:
-                handles.append(router.admit(req, None, "http"))
-        except (InvalidRequestError, RequestRejected) as err:
+                handles.append(await router.admit(req, None, "http", fill_max_tokens))
+        except BaseException as err:  # a refusal, or the client left while a prompt was tokenized
             for handle in handles:
                 router.withdraw(handle)
-            raise ApiError.of(err, prompt_field) from None
+            if isinstance(err, (InvalidRequestError, RequestRejected)):
+                raise ApiError.of(err, prompt_field) from None
+            raise
         fanout = Fanout(router, handles)
         if body.stream:
             events = sse(fanout, shape, len(reqs), body.include_usage, prompt_field)

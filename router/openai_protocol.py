@@ -246,7 +246,10 @@ class ResponseShape:
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = {
         400: "BadRequestError",
+        401: "AuthenticationError",
         404: "NotFoundError",
+        409: "ConflictError",
+        413: "RequestTooLargeError",
         429: "RateLimitError",
         503: "ServiceUnavailableError",
         504: "TimeoutError",

@@ -1,11 +1,17 @@
 """The router: the cluster's public gRPC front door (asyncio).
 
-Generate: validate every field -> tokenize -> block keys -> ask the pool how much of the prefix is
-cached -> admit (RESOURCE_EXHAUSTED past --max-inflight) -> least-loaded prefill worker (first token +
-KV locations) -> least-loaded decode worker (pulls the KV, streams tokens) -> relay with incremental
-detokenization and stop strings applied here. Whatever ends a request early (client cancel, deadline,
-Abort, a stop string) is propagated: the in-flight worker call is cancelled, the decode worker is told
-to abort, and the pool drops the request's private blocks.
+Generate: cheap limits (`router.limits`) -> admit (RESOURCE_EXHAUSTED past --max-inflight, counted
+before any work) -> tokenize (off the event loop) and validate every field -> block keys -> ask the pool
+how much of the prefix is cached -> least-loaded prefill worker (first token + KV locations) ->
+least-loaded decode worker (pulls the KV, streams tokens) -> relay with incremental detokenization and
+stop strings applied here. A worker that dies or refuses is replaced by another (`router.failover`):
+a prefill is sent again, a decode stream resumes where it broke. Whatever ends a request early (client
+cancel, deadline, Abort, a stop string) is propagated: the in-flight worker call is cancelled, the
+decode worker is told to abort, and the pool drops the request's private blocks. Every worker call has
+a deadline: the client's, else --request-timeout-s.
+
+The public API asks for a bearer API key when given some (--api-key; the cluster secret is accepted
+too) and serves TLS when given a certificate (--ssl-certfile/--ssl-keyfile), on gRPC and HTTP alike.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import signal
 import time
 import uuid
@@ -24,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.auth import server_interceptors
+from kvferry.auth import Credentials, cluster_secret, server_interceptors
 from kvferry.convert import sampling_from_proto, sampling_to_proto
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import (
@@ -40,9 +48,20 @@ from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
 from kvferry.router.directory import Directory, Member
+from kvferry.router.failover import (
+    MAX_RETRIES,
+    SUSPECT_S,
+    connection_lost,
+    pick_excluding,
+    relay_code,
+    resume_request,
+    retryable,
+)
+from kvferry.router.http_server import start_http
+from kvferry.router.limits import check_limits
 from kvferry.router.metrics import RequestTrack, RouterMetrics
-from kvferry.rpc import CHANNEL_OPTIONS, aio_channel, hard_exit, service_names
-from kvferry.settings import load_settings
+from kvferry.rpc import MAX_MESSAGE_BYTES, aio_channel, hard_exit, service_names
+from kvferry.settings import API_KEY_ENV, load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -61,25 +80,41 @@ class RouterConfig:
     refresh_s: float = 0.5
     colocated: bool = False  # no prefill workers: decode workers run both phases (the baseline)
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API and /metrics; None = off, 0 = any free
-    served_model_name: str | None = None  # the name the HTTP API answers to (default: `model`)
+    served_model_name: str | None = None  # the name the APIs answer to (default: `model`'s name)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # bearer keys of the public APIs; () = open
+    ssl_certfile: str | None = None  # TLS on the public gRPC and HTTP ports (PEM), with ssl_keyfile
+    ssl_keyfile: str | None = None
+    request_timeout_s: float = 600.0  # the deadline of a request whose client sets none
+    max_request_bytes: int = 4 * 2**20  # the public gRPC server's receive limit (far above a valid request)
 
 
 @dataclass
 class Inflight:
     request_id: str
-    deadline: float | None  # time.monotonic() by which the client wants it done
-    ids: list[int]
-    params: SamplingParams
+    deadline: float  # time.monotonic() by which it must be done (the client's, else --request-timeout-s)
     t0: float  # perf_counter() when it arrived
-    track: RequestTrack
+    ids: list[int] = field(default_factory=list)  # set once tokenized and validated
+    params: SamplingParams = field(default_factory=SamplingParams)
+    track: RequestTrack | None = None  # set once admitted
     aborted: bool = False
     decode: Member | None = None
     calls: list = field(default_factory=list)
     release_pool: bool = False  # the pool may still hold the request's private tail block
 
-    def remaining(self) -> float | None:
-        """Seconds left until the deadline (for worker calls), None without one."""
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+    def remaining(self) -> float:
+        """Seconds left until the deadline (for worker calls)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+@dataclass
+class Relay:
+    """A request's output as the router streams it, kept across the decode workers that serve it."""
+
+    req: Request
+    state: OutputState
+    timings: dict
+    cached: tuple[int, int]  # (prefix-cache hit tokens, of which pulled from the pool)
+    t0: float
 
 
 class RequestRejected(Exception):
@@ -88,6 +123,14 @@ class RequestRejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+class WorkerFailed(RequestRejected):
+    """A worker call failed; `retry`: another worker of its role may serve it (router.failover)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry: bool):
+        super().__init__(code, message)
+        self.retry = retry
 
 
 def error_code(err: Exception) -> grpc.StatusCode:
@@ -99,35 +142,66 @@ def cached_of(prefill: worker_pb2.PrefillResponse) -> tuple[int, int]:
     return prefill.cached_tokens, prefill.pool_cached_tokens
 
 
+def public_model_name(name: str) -> str:
+    """A model name fit to show clients: a checkpoint's path becomes its directory's name."""
+    if os.path.isabs(name) or name.startswith(("./", "../", "~")):
+        return os.path.basename(os.path.normpath(os.path.expanduser(name))) or name
+    return name
+
+
 class Router(generate_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.served_model_name = cfg.served_model_name or cfg.model
+        self.served_model_name = public_model_name(cfg.served_model_name or cfg.model)
+        self.credentials = Credentials(cluster_secret(), cfg.api_keys)
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
         self.metrics = RouterMetrics(self.served_model_name, self.directory)
         self.inflight: dict[str, Inflight] = {}
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
 
-    # -- validation -----------------------------------------------------------------------------------
-    def _prepare(self, request: generate_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+    # -- admission ------------------------------------------------------------------------------------
+    def _reserve(self, request: generate_pb2.GenerateRequest) -> str:
+        """The cheap checks, in order of cost: ready, limits, a free slot, a new id. Nothing is
+        tokenized or copied before they pass."""
         model = self.directory.model
         if model is None or not self.directory.ready:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill/decode workers are ready yet")
+        check_limits(request, model.max_model_len)
+        if len(self.inflight) >= self.cfg.max_inflight:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.inflight)} requests in flight (--max-inflight {self.cfg.max_inflight}); "
+                "retry later",
+            )
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self.inflight:
+            raise RequestRejected(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        return request_id
+
+    async def _prepare(
+        self, request: generate_pb2.GenerateRequest, fill_max_tokens: bool
+    ) -> tuple[list[int], SamplingParams]:
+        """Tokenize (in a thread: a long prompt must not stall every other stream) and validate."""
+        model = self.directory.model
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidRequestError("prompt: set either text or token_ids")
         if which == "text":
             if not request.text:
                 raise InvalidRequestError("prompt.text must not be empty")
-            ids = self.tokenizer.encode(request.text)
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
             if not ids:
                 raise InvalidRequestError("prompt.text encodes to no tokens")
         else:
             ids = list(request.token_ids.ids)
         params = sampling_from_proto(request.sampling)
+        if fill_max_tokens and not request.sampling.HasField("max_tokens"):
+            params = replace(params, max_tokens=max(1, model.max_model_len - len(ids)))
         ids = validate_request(
             ids,
             params,
@@ -137,16 +211,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             sampling_field="sampling.",
             max_tokens_fit=True,
         )
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        if request_id in self.inflight:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
-        if len(self.inflight) >= self.cfg.max_inflight:
-            raise RequestRejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self.inflight)} requests in flight (--max-inflight {self.cfg.max_inflight}); "
-                "retry later",
-            )
-        return request_id, ids, params
+        return ids, params
 
     # -- Generate -------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -164,24 +229,40 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, timeout: float | None = None, api: str = "grpc"
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Serve one request, whichever API it came by: `admit`, then `run`'s messages."""
-        handle = self.admit(request, timeout, api)
+        handle = await self.admit(request, timeout, api)
         async with contextlib.aclosing(self.run(handle)) as stream:
             async for message in stream:
                 yield message
 
-    def admit(self, request: generate_pb2.GenerateRequest, timeout: float | None, api: str) -> Inflight:
+    async def admit(
+        self,
+        request: generate_pb2.GenerateRequest,
+        timeout: float | None,
+        api: str,
+        fill_max_tokens: bool = False,
+    ) -> Inflight:
         """Validate and admit a request (it counts as in flight from now on): then `run` it, or
-        `withdraw` it. Raises InvalidRequestError (bad input) or RequestRejected (RESOURCE_EXHAUSTED past
-        --max-inflight, UNAVAILABLE before the cluster is ready)."""
+        `withdraw` it. It takes its --max-inflight slot before it is tokenized, so a flood of huge prompts
+        queues no more work than the slots allow. `fill_max_tokens`: an unset max_tokens means as many as
+        fit (the chat API's default). Raises InvalidRequestError (bad input) or RequestRejected
+        (RESOURCE_EXHAUSTED past --max-inflight, ALREADY_EXISTS for an id in flight, UNAVAILABLE before
+        the cluster is ready)."""
         t0 = time.perf_counter()
         try:
-            request_id, ids, params = self._prepare(request)
+            request_id = self._reserve(request)
         except (InvalidRequestError, RequestRejected) as err:
             self.metrics.rejected(api, error_code(err).name)
             raise
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handle = Inflight(request_id, deadline, ids, params, t0, self.metrics.track(api, t0))
-        self.inflight[request_id] = handle
+        timeout = self.cfg.request_timeout_s if timeout is None else timeout
+        handle = self.inflight[request_id] = Inflight(request_id, time.monotonic() + timeout, t0)
+        try:
+            handle.ids, handle.params = await self._prepare(request, fill_max_tokens)
+        except BaseException as err:
+            del self.inflight[request_id]
+            if isinstance(err, (InvalidRequestError, RequestRejected)):
+                self.metrics.rejected(api, error_code(err).name)
+            raise
+        handle.track = self.metrics.track(api, t0)
         return handle
 
     def withdraw(self, handle: Inflight) -> None:
@@ -233,12 +314,9 @@ class Router(generate_pb2_grpc.GenerationServicer):
             async for message in self._colocated(handle, req, state, params, t0):
                 yield message
             return
-        prefill_worker = self.directory.pick("prefill")
-        if prefill_worker is None:
-            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
         t_prefill = time.perf_counter()
         sampling = sampling_to_proto(params)
-        prefill = await self._call_prefill(handle, prefill_worker, ids, sampling)
+        prefill = await self._prefill(handle, ids, sampling)
         if prefill is None:
             yield self._final(handle, req, state, "abort", cached, {}, t0)
             return
@@ -269,7 +347,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
         )
-        async for message in self._relay(handle, decode_req, req, state, timings, cached_of(prefill), t0):
+        relay = Relay(req, state, timings, cached_of(prefill), t0)
+        async for message in self._relay(handle, decode_req, relay):
             yield message
 
     async def _colocated(self, handle: Inflight, req: Request, state: OutputState, params, t0: float):
@@ -280,33 +359,92 @@ class Router(generate_pb2_grpc.GenerationServicer):
             sampling=sampling_to_proto(replace(params, stop=())),
             prefill_here=True,
         )
-        async for message in self._relay(handle, decode_req, req, state, {}, (0, 0), t0):
+        async for message in self._relay(handle, decode_req, Relay(req, state, {}, (0, 0), t0)):
             yield message
 
-    async def _relay(self, handle, decode_req, req, state, timings, cached, t0):
-        """Pick a decode worker for `decode_req` and stream its tokens to the client, applying stop
-        rules (first token time = TTFT when the worker also ran the prefill). `cached`: (prefix-cache
-        hit tokens, of which from the pool)."""
+    async def _prefill(self, handle: Inflight, ids: list[int], sampling) -> worker_pb2.PrefillResponse | None:
+        """The prefill on the least-loaded prefill worker; one that dies or refuses is replaced by another
+        (at most MAX_RETRIES times, never the same one twice). None: Abort() came meanwhile."""
+        tried: set[str] = set()
+        failed: WorkerFailed | None = None
+        for tries in itertools.count(1):
+            worker = pick_excluding(self.directory, "prefill", tried)
+            if worker is None:  # none left to try: the last failure is the answer
+                raise failed or RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            tried.add(worker.member_id)
+            try:
+                return await self._call_prefill(handle, worker, ids, sampling)
+            except WorkerFailed as err:
+                if not self._retry(handle, err, "prefill", tries):
+                    raise
+                failed = err
+                handle.release_pool = True  # the failed one may have put part of the prompt's KV
+
+    def _retry(self, handle: Inflight, err: WorkerFailed, role: str, tries: int) -> bool:
+        """Whether a failed worker call is tried again on another worker of `role` (logged, counted)."""
+        if not err.retry or tries > MAX_RETRIES or handle.aborted or handle.remaining() <= 0:
+            return False
+        log.warning("%s of %s failed, trying another worker: %s", role, handle.request_id, err)
+        self.metrics.failover(role, err.code.name)
+        return True
+
+    async def _relay(self, handle: Inflight, first: worker_pb2.DecodeRequest, relay: Relay):
+        """Stream `first` from the least-loaded decode worker, applying stop rules. A worker that dies
+        mid-stream is replaced by another that resumes from the tokens streamed so far (at most
+        MAX_RETRIES times, never the same one twice): the client sees one unbroken stream."""
+        tried: set[str] = set()
+        decode_req, failed = first, None
+        for tries in itertools.count(1):
+            worker = self._pick_decode(decode_req, tried, failed)
+            tried.update((worker.member_id, worker.group))
+            try:
+                async for message in self._stream_decode(handle, worker, decode_req, relay):
+                    yield message
+                return
+            except WorkerFailed as err:
+                if handle.aborted:  # Abort() came as the worker failed: nothing to resume
+                    yield self._final(
+                        handle, relay.req, relay.state, "abort", relay.cached, relay.timings, relay.t0
+                    )
+                    return
+                if not self._retry(handle, err, "decode", tries):
+                    raise
+                failed = err
+            req = relay.req
+            decode_req = resume_request(
+                first, req.prompt_token_ids, req.output_token_ids, req.params.max_tokens
+            )
+            handle.release_pool = True  # the failed worker may not have released what it pulled
+
+    def _pick_decode(self, decode_req, tried: set[str], failed: WorkerFailed | None) -> Member:
+        """A decode worker not yet tried; none left: the last failure, if any, is the answer."""
         model = self.directory.model
         tokens = len(decode_req.prompt_token_ids) + decode_req.sampling.max_tokens
-        decode_worker = self.directory.pick("decode", -(-tokens // model.block_size))  # blocks it will hold
-        if decode_worker is None:
-            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
-        handle.decode = decode_worker
-        timings = dict(timings)
-        decode_worker.inflight += 1
-        call = decode_worker.stub.Decode(decode_req, timeout=handle.remaining())
+        worker = pick_excluding(self.directory, "decode", tried, -(-tokens // model.block_size))
+        if worker is None:
+            raise failed or RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        return worker
+
+    async def _stream_decode(self, handle: Inflight, worker: Member, decode_req, relay: Relay):
+        """One decode worker's stream of `decode_req`, relayed as the client's messages (first token
+        time = TTFT when the worker also ran the prefill). Raises WorkerFailed when the call fails."""
+        req, state, timings = relay.req, relay.state, relay.timings
+        handle.decode = worker
+        worker.inflight += 1
+        call = worker.stub.Decode(decode_req, timeout=handle.remaining())
         handle.calls.append(call)
+        first_message = True
         try:
             async for msg in call:
-                if decode_req.prefill_here and msg.cached_tokens:
-                    cached = (msg.cached_tokens, 0)  # the worker's own prefix cache
+                if first_message and decode_req.prefill_here and msg.cached_tokens:
+                    relay.cached = (msg.cached_tokens, 0)  # the worker's own prefix cache
                 elif msg.kv_pull_ms or msg.first_decode_ms:
-                    timings["kv_transfer_ms"] += msg.kv_pull_ms
+                    timings["kv_transfer_ms"] = timings.get("kv_transfer_ms", 0.0) + msg.kv_pull_ms
                     timings["first_decode_ms"] = msg.first_decode_ms
-                    handle.release_pool = msg.recomputed_tokens > 0
+                    handle.release_pool |= msg.recomputed_tokens > 0
+                first_message = False
                 if "ttft_ms" not in timings and msg.token_ids:
-                    timings["ttft_ms"] = (time.perf_counter() - t0) * 1e3
+                    timings["ttft_ms"] = (time.perf_counter() - relay.t0) * 1e3
                 status = None
                 for token in msg.token_ids:
                     status = state.add_token(token)
@@ -318,7 +456,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
                     req.status = status
                     if not msg.finish_reason:  # we stopped first (stop string): stop the worker too
                         handle.aborted = True
-                    yield self._final(handle, req, state, None, cached, timings, t0)
+                    yield self._final(handle, req, state, None, relay.cached, timings, relay.t0)
                     return
                 out = state.emit()
                 if out.new_token_ids:
@@ -326,14 +464,20 @@ class Router(generate_pb2_grpc.GenerationServicer):
                         request_id=handle.request_id, token_ids=out.new_token_ids, text=out.text
                     )
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.directory.suspect(decode_worker, 2.0)
-            raise RequestRejected(
-                _relay_code(err), f"decode worker {decode_worker.member_id}: {err.details()}"
-            ) from None
+            raise self._failed(worker, "decode", err) from None
         finally:
-            decode_worker.inflight -= 1
+            worker.inflight -= 1
+            call.cancel()  # (a no-op once it ended) the stream was closed early: end the call too
+            handle.calls.remove(call)
         raise RequestRejected(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+
+    def _failed(self, worker: Member, role: str, err: grpc.aio.AioRpcError) -> WorkerFailed:
+        """The WorkerFailed of a failed call; a worker whose connection broke gets nothing new for a while."""
+        if connection_lost(err):
+            self.directory.suspect(worker, SUSPECT_S)
+        return WorkerFailed(
+            relay_code(err), f"{role} worker {worker.member_id}: {err.details()}", retryable(role, err)
+        )
 
     async def _call_prefill(self, handle, worker: Member, ids, sampling):
         worker.inflight += 1
@@ -350,11 +494,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 return None  # Abort() cancelled the call: finish the stream with "abort"
             raise
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.directory.suspect(worker, 2.0)
-            raise RequestRejected(
-                _relay_code(err), f"prefill worker {worker.member_id}: {err.details()}"
-            ) from None
+            raise self._failed(worker, "prefill", err) from None
         finally:
             worker.inflight -= 1
             handle.calls.remove(call)
@@ -409,7 +549,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         handle = self.inflight.get(request.request_id)
         if handle is None:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request.request_id!r} is not in flight"
+                grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
             )
         handle.aborted = True
         if handle.decode is not None:
@@ -429,7 +569,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
         return generate_pb2.ModelInfo(
-            model=model.model,
+            model=self.served_model_name,  # never the checkpoint's path on the workers' disks
             dtype=model.dtype,
             block_size=model.block_size,
             max_model_len=model.max_model_len,
@@ -442,29 +582,38 @@ class Router(generate_pb2_grpc.GenerationServicer):
         )
 
 
-def _relay_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
-    code = err.code()
-    return (
-        code
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
-        else (grpc.StatusCode.UNAVAILABLE)
-    )
+def _bind(server: grpc.aio.Server, cfg: RouterConfig) -> int:
+    """The public port: TLS when given a certificate and key, else plaintext."""
+    addr = f"{cfg.host}:{cfg.port}"
+    if cfg.ssl_certfile:
+        with open(cfg.ssl_keyfile, "rb") as key, open(cfg.ssl_certfile, "rb") as cert:
+            creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        port = server.add_secure_port(addr, creds)
+    else:
+        port = server.add_insecure_port(addr)
+    if port == 0:
+        raise OSError(f"cannot bind the router to {addr}")
+    return port
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> None:
     router = Router(cfg)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=server_interceptors(aio=True))
+    options = [  # a request is small (limits.py); only the receive side is bounded tighter
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", cfg.max_request_bytes),
+    ]
+    # API keys gate the public API (the cluster secret opens it too); without keys it is open, as HTTP is
+    gate = server_interceptors(router.credentials, aio=True) if cfg.api_keys else []
+    server = grpc.aio.server(options=options, interceptors=gate)
     generate_pb2_grpc.add_GenerationServicer_to_server(router, server)
     names = service_names(generate_pb2.DESCRIPTOR)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise OSError(f"cannot bind the router to {cfg.host}:{cfg.port}")
+    port = _bind(server, cfg)
     await server.start()
     await router.directory.start()
-    log.info("router listening on %s:%d", cfg.host, port)
+    log.info("router listening on %s:%d%s", cfg.host, port, " (TLS)" if cfg.ssl_certfile else "")
 
     async def track_health() -> None:
         while True:
@@ -478,7 +627,9 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
             await asyncio.sleep(cfg.refresh_s)
 
     tracker = asyncio.create_task(track_health())
-    http = await start_http(router, cfg.host, cfg.http_port) if cfg.http_port is not None else None
+    http = None
+    if cfg.http_port is not None:
+        http = await start_http(router, cfg.host, cfg.http_port, cfg.ssl_certfile, cfg.ssl_keyfile)
     if on_started is not None:
         on_started()
     await stop.wait()
@@ -489,56 +640,6 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
         await http.stop()
     await server.stop(grace=5)
     await router.directory.stop()
-
-
-class HttpServer:
-    """uvicorn serving the OpenAI API on the running loop (signals stay with the router's loop)."""
-
-    def __init__(self, router: Router, host: str, port: int):
-        import uvicorn
-
-        from kvferry.router.openai_api import build_app
-
-        class _Server(uvicorn.Server):
-            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-                pass
-
-            @contextlib.contextmanager
-            def capture_signals(self):  # the router's own handlers stop everything
-                yield
-
-        config = uvicorn.Config(
-            build_app(router),
-            host=host,
-            port=port,
-            lifespan="off",
-            access_log=False,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
-        self.server = _Server(config)
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> int:
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():  # it could not bind (the error is in the task)
-                self.task.result()
-                raise OSError("the HTTP server stopped during startup")
-            await asyncio.sleep(0.01)
-        return self.server.servers[0].sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
-
-
-async def start_http(router: Router, host: str, port: int) -> HttpServer:
-    http = HttpServer(router, host, port)
-    bound = await http.start()
-    log.info("OpenAI-compatible API on http://%s:%d/v1 (metrics: /metrics)", host, bound)
-    return http
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -557,8 +658,29 @@ def main(argv: list[str] | None = None) -> int:
         "--http-port", type=int, default=d.http_port, help="OpenAI API + /metrics port (0 = any free)"
     )
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
-    p.add_argument("--served-model-name", default=None, help="the model name of the OpenAI API")
+    p.add_argument("--served-model-name", default=None, help="the model name of the APIs")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"a bearer key clients must send (repeatable; also ${API_KEY_ENV}, comma-separated)",
+    )
+    p.add_argument("--ssl-certfile", default=None, help="serve gRPC and HTTP over TLS with this PEM cert")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=d.request_timeout_s,
+        help="the deadline of a request whose client sets none",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request message accepted"
+    )
     args = p.parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        p.error("--ssl-certfile and --ssl-keyfile go together")
+    if args.request_timeout_s <= 0:
+        p.error("--request-timeout-s must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = RouterConfig(
         model=args.model,
@@ -570,6 +692,11 @@ def main(argv: list[str] | None = None) -> int:
         colocated=args.colocated,
         http_port=None if args.no_http else args.http_port,
         served_model_name=args.served_model_name,
+        api_keys=(*args.api_key, *load_settings().api_keys),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        request_timeout_s=args.request_timeout_s,
+        max_request_bytes=args.max_request_bytes,
     )
 
     async def run() -> None:

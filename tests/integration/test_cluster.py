@@ -163,6 +163,12 @@ BAD_REQUESTS = [
     (build_request("hi", top_k=-1), "top_k"),
     (build_request("hi", stop=[""]), "stop"),
     (build_request("hi", stop_token_ids=[9000]), "stop_token_ids"),
+    # the cheap limits (router.limits), checked before the prompt is tokenized
+    (build_request("x" * (1024 * 64 + 1), max_tokens=4), "prompt.text: at most"),
+    (build_request("hi", request_id="r" * 257), "request_id: at most 256"),
+    (build_request("hi", stop=["s"] * 17), "sampling.stop: at most 16 stop strings"),
+    (build_request("hi", stop=["s" * 257]), "sampling.stop[0]: at most 256"),
+    (build_request("hi", stop_token_ids=[3] * 129), "sampling.stop_token_ids: at most 128"),
 ]
 
 
@@ -176,26 +182,33 @@ def test_invalid_argument(client, request_, field):
     assert ok.finished.output_tokens == 3
 
 
+def test_message_over_the_receive_limit_is_refused_unread(client):
+    with pytest.raises(grpc.RpcError) as err:  # 5 MiB: over the router's 4 MiB receive limit
+        client.generate(build_request("x" * (5 * 2**20), max_tokens=4), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_abort_unknown_and_duplicate_ids(client, members):
     with pytest.raises(grpc.RpcError) as err:
         client.abort("no-such-request")
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "request_id" in err.value.details()
     stream = client.stream(greedy(random_prompt(30, 20), max_tokens=900, request_id="dup"), timeout=120)
     next(stream)
     with pytest.raises(grpc.RpcError) as err:
         client.generate(greedy([1, 2, 3], request_id="dup"), timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "request_id" in err.value.details()
     client.abort("dup")
     assert list(stream)[-1].finished.finish_reason == "abort"
     assert_released(members, ["dup"])
 
 
-def test_model_info_and_health(client, cluster):
+def test_model_info_and_health(client, cluster, tiny_model_dir):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     info = client.model_info()
+    assert info.model == tiny_model_dir.name  # the cluster was given the checkpoint's path: never shown
     assert (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes) == (2, 1, 1)
     assert info.block_size == BLOCK and info.max_model_len == 1024 and info.vocab_size == 8192
     health = health_pb2_grpc.HealthStub(client.channel)

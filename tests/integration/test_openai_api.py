@@ -145,6 +145,7 @@ def test_models_and_health(cluster):
     with urllib.request.urlopen(cluster.http_url + "/v1/models", timeout=10) as reply:
         card = json.load(reply)["data"][0]
     assert card["id"] == NAME and card["max_model_len"] == 1024 and card["vocab_size"] == 8192
+    assert "/" not in json.dumps(card)  # no checkpoint path
     with urllib.request.urlopen(cluster.http_url + "/health", timeout=10) as reply:
         assert reply.status == 200
 
@@ -173,6 +174,9 @@ def post(url: str, body: dict | bytes) -> tuple[int, dict]:
         ({"prompt": "x", "n": 2}, 400, "n", "must be 1"),
         ({"max_tokens": 3}, 400, "prompt", "Field required"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+        ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop", "at most 16 stop strings"),
+        ({"prompt": "x", "stop": ["s" * 300]}, 400, "stop[0]", "at most 256 characters"),
+        ({"prompt": "x" * (1024 * 64 + 1)}, 400, "prompt", "at most 65536 characters"),
     ],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, param, words):
@@ -180,6 +184,37 @@ def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, 
     assert code == status, reply
     error = reply["error"]
     assert error["param"] == param and words in error["message"] and error["code"] == status
+
+
+def test_duplicate_request_id_is_409_and_an_oversized_body_413(cluster, grpc_client, members):
+    stream = grpc_client.stream(
+        build_request(
+            prompt_token_ids=prompt_ids(41, 10), max_tokens=900, ignore_eos=True, request_id="twice-0"
+        ),
+        timeout=120,
+    )
+    next(stream)  # admitted and streaming
+    request = urllib.request.Request(
+        cluster.http_url + "/v1/completions",
+        data=json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json", "x-request-id": "twice"},  # -> request id twice-0
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 409 and "already in flight" in json.load(err.value)["error"]["message"]
+    stream.cancel()
+    wait_for(lambda: not any(s.active_request_ids for s in members.stats("decode").values()), what="release")
+    # a body over the limit (4 MiB) is refused on its Content-Length, before a byte of it is read
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {5 * 2**20}\r\n\r\n".encode())
+        reply = b""
+        while b"at most" not in reply:
+            piece = sock.recv(65536)
+            assert piece, reply
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 413 ")
 
 
 def test_malformed_json_and_bad_chat_messages(cluster):

@@ -1,0 +1,71 @@
+"""uvicorn serving the router's OpenAI-compatible API on the router's own asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvferry.router.server import Router
+
+log = logging.getLogger(__name__)
+
+
+class HttpServer:
+    """uvicorn serving the OpenAI API on the running loop (signals stay with the router's loop);
+    HTTPS when given a certificate and key."""
+
+    def __init__(
+        self, router: Router, host: str, port: int, certfile: str | None = None, keyfile: str | None = None
+    ):
+        import uvicorn
+
+        from kvferry.router.openai_api import build_app
+
+        class _Server(uvicorn.Server):
+            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+                pass
+
+            @contextlib.contextmanager
+            def capture_signals(self):  # the router's own handlers stop everything
+                yield
+
+        config = uvicorn.Config(
+            build_app(router),
+            host=host,
+            port=port,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+        )
+        self.scheme = "https" if certfile else "http"
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():  # it could not bind (the error is in the task)
+                self.task.result()
+                raise OSError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+async def start_http(
+    router: Router, host: str, port: int, certfile: str | None = None, keyfile: str | None = None
+) -> HttpServer:
+    http = HttpServer(router, host, port, certfile, keyfile)
+    bound = await http.start()
+    log.info("OpenAI-compatible API on %s://%s:%d/v1 (metrics: /metrics)", http.scheme, host, bound)
+    return http

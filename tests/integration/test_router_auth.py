@@ -1,0 +1,230 @@
+"""The router's public face in a real cluster: API keys (gRPC metadata and HTTP header), TLS on both
+ports with a certificate made here, the default deadline of a request whose client sets none, and a
+model name that shows no filesystem path. The routers under test are extra router processes started
+here against the cluster's registry (the launcher's own router stays plain)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_helpers import wait_for
+from conftest import make_cluster_config
+
+from kvferry.deploy.local import LocalCluster
+from kvferry.proc import free_port, terminate
+from kvferry.router.client import Client, build_request
+
+pytestmark = pytest.mark.slow
+
+KEY, ENV_KEY = "key-from-flag", "key-from-env"
+
+
+def self_signed(directory) -> tuple[str, str]:
+    """(cert.pem, key.pem) for 127.0.0.1 and localhost, made with `cryptography`, else `openssl`."""
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither the cryptography package nor openssl is installed: no certificate to test")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key_path), "-out", str(cert_path), "-days", "1", "-subj", "/CN=localhost",
+             "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return str(cert_path), str(key_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model_dir, tmp_path_factory):
+    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-router-auth")
+    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("auth-logs"), quiet=True) as c:
+        yield c
+
+
+class ExtraRouter:
+    """A router process (`python -m kvferry.router`) on the cluster's registry, with extra flags."""
+
+    def __init__(self, cluster, log_path, *flags: str, env: dict | None = None):
+        self.port, self.http_port = free_port(), free_port()
+        argv = [
+            *(sys.executable, "-m", "kvferry.router", "--model", str(cluster.model_dir)),
+            *("--redis-url", cluster.redis_url, "--namespace", cluster.cfg.namespace),
+            *("--port", str(self.port), "--http-port", str(self.http_port), *flags),
+        ]
+        self.log = log_path
+        with open(log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self.addr = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        terminate([self.proc], 10)
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def secured(cluster, tls, tmp_path_factory):
+    """A router with two API keys (one by flag, one by environment) serving TLS on both ports."""
+    cert, key = tls
+    logs = tmp_path_factory.mktemp("secured-router")
+    router = ExtraRouter(
+        cluster,
+        logs / "router.log",
+        *("--api-key", KEY, "--ssl-certfile", cert, "--ssl-keyfile", key),
+        env={"KVFERRY_API_KEY": ENV_KEY},
+    )
+    root = Path(cert).read_bytes()
+
+    def ready() -> bool:
+        assert router.proc.poll() is None, router.log.read_text()[-3000:]
+        try:
+            with Client(router.addr, api_key=KEY, root_certificates=root) as c:
+                return c.model_info(timeout=2).num_decode_workers == 1
+        except grpc.RpcError:
+            return False
+
+    wait_for(ready, 90, "the secured router")
+    yield router, root
+    router.stop()
+
+
+def short(**kw):
+    return build_request(prompt_token_ids=[5, 6, 7, 8], max_tokens=3, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("api_key", [None, "wrong-key"])
+def test_grpc_without_a_valid_key_is_unauthenticated(secured, api_key):
+    router, root = secured
+    with Client(router.addr, api_key=api_key, root_certificates=root) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(short(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            c.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("api_key", [KEY, ENV_KEY])
+def test_grpc_with_a_key_over_tls_is_served(secured, api_key, tiny_model_dir):
+    router, root = secured
+    with Client(router.addr, api_key=api_key, root_certificates=root) as c:
+        got = c.generate(short(), timeout=60)
+        assert got.finished.output_tokens == 3
+        info = c.model_info()
+    assert info.model == tiny_model_dir.name  # the served name, not the checkpoint's path
+    assert str(tiny_model_dir) not in str(info)
+
+
+def test_grpc_without_tls_is_refused(secured):
+    router, _ = secured
+    with Client(router.addr, api_key=KEY) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate(short(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # a plaintext client cannot even connect
+
+
+def https(router, root, path, body=None, key=None) -> tuple[int, dict | str]:
+    context = ssl.create_default_context(cadata=root.decode())
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    url = f"https://127.0.0.1:{router.http_port}{path}"
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data, headers), timeout=60, context=context
+        ) as reply:
+            text = reply.read().decode()
+            status = reply.status
+    except urllib.error.HTTPError as err:
+        text, status = err.read().decode(), err.code
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def test_http_api_keys_over_https(secured, tiny_model_dir):
+    router, root = secured
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+    for key in (None, "wrong-key"):
+        status, reply = https(router, root, "/v1/completions", body, key)
+        assert status == 401, reply
+        assert reply["error"]["code"] == 401 and "API key" in reply["error"]["message"]
+        assert https(router, root, "/v1/models", key=key)[0] == 401
+    status, reply = https(router, root, "/v1/completions", body, KEY)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    status, models = https(router, root, "/v1/models", key=ENV_KEY)
+    assert status == 200 and str(tiny_model_dir) not in json.dumps(models)
+    assert https(router, root, "/health")[0] == 200  # probes and scrapers need no key
+    status, text = https(router, root, "/metrics")
+    assert status == 200 and "kvferry:requests_total" in text
+
+
+def test_default_deadline_applies_when_the_client_sets_none(cluster, tmp_path):
+    router = ExtraRouter(cluster, tmp_path / "router.log", "--request-timeout-s", "0.5", "--no-http")
+    try:
+        with Client(router.addr) as c:
+
+            def ready() -> bool:
+                assert router.proc.poll() is None, router.log.read_text()[-3000:]
+                try:
+                    return c.model_info(timeout=2).num_decode_workers == 1
+                except grpc.RpcError:
+                    return False
+
+            wait_for(ready, 90, "the router with a short default deadline")
+            long = build_request(prompt_token_ids=[5] * 20, max_tokens=1000, temperature=0.0, ignore_eos=True)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(long)  # no client deadline: the router's own ends it
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        router.stop()

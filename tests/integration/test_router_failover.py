@@ -1,0 +1,131 @@
+"""Worker failover in a real cluster (2 prefill, 2 decode workers): a worker killed with SIGKILL while it
+serves costs the client nothing. A prefill is sent again to the other prefill worker; a decode stream
+resumes on the other decode worker with no token lost or repeated, equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from cluster_helpers import wait_for
+from conftest import ENGINE, make_cluster_config
+
+from kvferry.deploy.config import WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import Client, build_request
+from kvferry.rpc import channel
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+LONG = 300  # tokens of the stream that loses its decode worker (it must still be running at the kill)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model_dir, tmp_path_factory):
+    cfg = make_cluster_config(
+        tiny_model_dir,
+        redis_server.url,
+        "test-failover",
+        prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
+        decode=WorkerGroupSettings(replicas=2, engine=ENGINE),
+    )
+    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("failover-logs"), quiet=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_addr) as c:
+        yield c
+
+
+def decoding(cluster, request_id: str) -> list[str]:
+    """The decode workers that hold `request_id` (asked on kvferry channels: they carry the secret)."""
+    members = MetadataStore(cluster.redis_url, cluster.cfg.namespace).members("decode") or {}
+    holding = []
+    for member_id, info in members.items():
+        with channel(info["addr"]) as ch:
+            stats = worker_pb2_grpc.DecodeWorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
+        if request_id in stats.active_request_ids:
+            holding.append(member_id)
+    return holding
+
+
+def greedy(ids, max_tokens, **kw):
+    return build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def failovers(cluster, role: str) -> float:
+    """kvferry:worker_failovers_total of `role`, summed over codes."""
+    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    prefix = "kvferry:worker_failovers_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and f'role="{role}"' in line
+    )
+
+
+def kill(cluster, role: str, member_id: str) -> None:
+    """SIGKILL the process of a worker (no drain, no goodbye: its connections just break)."""
+    (child,) = [c for c in cluster.groups[role] if c.name == member_id]
+    child.proc.kill()
+    child.proc.wait(10)
+
+
+def test_decode_worker_killed_mid_stream_resumes_elsewhere(cluster, client):
+    prompt = random_prompt(1, 37)  # 2 full blocks and a private tail: the resumed prompt reuses the pool's
+    expected = client.generate(greedy(prompt, LONG), timeout=300).token_ids
+    assert len(expected) == LONG
+
+    stream = client.stream(greedy(prompt, LONG, request_id="resume-me"), timeout=300)
+    tokens: list[int] = []
+    for msg in stream:
+        tokens += msg.token_ids
+        if len(tokens) >= 20:
+            break
+    serving = wait_for(lambda: decoding(cluster, "resume-me"), 10, "the decode worker serving the stream")
+    kill(cluster, "decode", serving[0])
+    finished = None
+    for msg in stream:
+        tokens += msg.token_ids
+        if msg.HasField("finished"):
+            finished = msg.finished
+    assert finished is not None and finished.finish_reason == "length"
+    assert finished.output_tokens == LONG
+    assert tokens == expected, "the resumed stream differs from the uninterrupted one"
+    assert failovers(cluster, "decode") >= 1  # it did fail over (the kill came mid-stream)
+
+
+def test_prefill_worker_killed_while_requests_arrive(cluster, client):
+    prompts = [random_prompt(100 + i, 24 + 5 * i) for i in range(4)]
+    expected = [client.generate(greedy(p, 8), timeout=120).token_ids for p in prompts]
+    live = [c.name for c in cluster.groups["prefill"] if c.proc.poll() is None]
+    assert len(live) == 2
+
+    def one(i: int) -> list[int]:
+        got = client.generate(greedy(prompts[i % 4], 8), timeout=120)
+        assert got.finished.finish_reason == "length"
+        return got.token_ids
+
+    with ThreadPoolExecutor(4) as pool:
+        first = [pool.submit(one, i) for i in range(8)]
+        kill(cluster, "prefill", live[0])  # while those are in flight or queued
+        later = [pool.submit(one, i) for i in range(8, 24)]
+        results = [f.result() for f in first + later]  # every request finishes, none fails
+    assert results == [expected[i % 4] for i in range(24)]
+    assert failovers(cluster, "prefill") >= 1
+
+
+def test_still_serving_with_one_worker_of_each_role(cluster, client):
+    got = client.generate(greedy(random_prompt(9, 10), 5), timeout=120)
+    assert got.finished.output_tokens == 5
