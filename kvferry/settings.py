@@ -6,11 +6,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+API_KEY_ENV = "KVFERRY_API_KEY"  # the router's API keys, comma-separated (`kvferry up` hands them on so)
+
 
 @dataclass(frozen=True)
 class Settings:
     cache_dir: Path
     num_threads: int | None
+    api_keys: tuple[str, ...] = ()  # KVFERRY_API_KEY: what clients of the router send (kvferry up, generate)
 
     @property
     def models_dir(self) -> Path:
@@ -21,4 +24,7 @@ def load_settings() -> Settings:
     """Read KVFERRY_* variables; called at use time, never at import time."""
     cache = os.environ.get("KVFERRY_CACHE_DIR") or str(Path.home() / ".cache" / "kvferry")
     threads = os.environ.get("KVFERRY_NUM_THREADS")
-    return Settings(cache_dir=Path(cache).expanduser(), num_threads=int(threads) if threads else None)
+    keys = tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+    return Settings(
+        cache_dir=Path(cache).expanduser(), num_threads=int(threads) if threads else None, api_keys=keys
+    )
