@@ -136,6 +136,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         r = stream.request
         params = replace(sampling_from_proto(r.sampling), stop=())  # stop strings are the router's
         if self.early_aborts.take(r.request_id):  # aborted before it got here
+            self._release_unpulled(stream)
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return
         try:
@@ -280,6 +281,12 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if self.streams.get(rid) is stream:
             self._abort(rid)
 
+    def _release_unpulled(self, stream: Stream) -> None:
+        """A request aborted before its pull: free its private tail in the pool now (a pull would have
+        freed it; the router that would release it may be gone), off the engine thread."""
+        if stream.request.blocks and not stream.request.prefill_here:
+            self.transfers.submit(self.pool.release, stream.request.request_id)
+
     def _abort(self, request_id: str) -> bool:
         stream = self.streams.get(request_id)
         if stream is None:
@@ -287,6 +294,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             return False
         if stream in self.prealloc:
             self.prealloc.remove(stream)
+            self._release_unpulled(stream)
             self._finish(stream, "abort")
         elif self.transfer.discard(request_id) is None:  # in a transfer: _poll frees its blocks
             self.engine.abort(request_id)

@@ -332,8 +332,14 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.leave_group_if_broken(err)
 
     def _cancel(self, request_id: str, job: PrefillJob) -> None:
-        """The call ended before its answer: drop its job (if that is still the request under this id)."""
-        if self.jobs.get(request_id) is not job or job.future.done():
+        """The call ended before its answer: drop its job (if that is still the request under this id).
+        Answered already (the reply raced the cancel): the router never got it, so the private tail the
+        write left in the pool has no reader: free it."""
+        if job.future.done():
+            if not job.future.cancelled() and job.future.exception() is None:
+                self.transfers.submit(self.pool.release, request_id)
+            return
+        if self.jobs.get(request_id) is not job:
             return
         self.lookups.discard(request_id)
         self.pulls.discard(request_id)  # its reserved blocks are freed when the pull ends (_poll)

@@ -318,7 +318,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         sampling = sampling_to_proto(params)
         prefill = await self._prefill(handle, ids, sampling)
         if prefill is None:
-            yield self._final(handle, req, state, "abort", cached, {}, t0)
+            yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
             return
         ttft = time.perf_counter() - t0
         timings = {
