@@ -4,13 +4,17 @@
 model: tiny            # checkpoint directory or built-in name
 dtype: auto
 namespace: default     # Redis key prefix (several clusters can share one Redis)
-redis_url: null        # null: `kvferry up` starts its own redis-server
-router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null}
+redis_url: null        # null: `kvferry up` starts its own redis-server (with a random password)
+cluster_host: 127.0.0.1  # what workers, pool nodes, redis and the TCPStores bind: never exposed
+cluster_secret: null   # the internal plane's secret (null: `kvferry up` generates one; kvferry.auth)
+router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
+         api_keys: [], ssl_certfile: null, ssl_keyfile: null}   # only the router faces clients
 pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
 drain_timeout_s: 60    # a stopping worker (scale-down, shutdown) finishes its requests for this long
 ray: {address: null, max_restarts: 10, log_dir: null}   # `kvferry up --ray`
+restarts: {max: 5, window_s: 600, backoff_s: 1, max_backoff_s: 30}   # `kvferry up`: a dead unit's
 ```
 A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_size` (decode) processes.
 `prefill` and `decode` also take a list of such mappings: groups of different degrees side by side.
@@ -20,6 +24,8 @@ certain nodes (default: 1 CPU, and 1 GPU when the Ray cluster has GPUs). On Ray,
 puts one pool node on every Ray node (else `pool.nodes` of them, spread).
 Every worker group must write KV blocks of the pool's one layout (the same block_size and KV dtype):
 `cluster_layout` refuses, before anything starts, groups that would not.
+`restarts` bound how often `kvferry up` restarts a dead unit (deploy.restarts): at most `max` in
+`window_s`, waiting 1 s, 2 s, 4 s ... (at most `max_backoff_s`) before each.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ class RouterSettings:
     max_inflight: int = 256
     http_port: int | None = 8000  # OpenAI-compatible API + /metrics; None = off, 0 = any free
     served_model_name: str | None = None  # the OpenAI API's model name (default: `model`)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients send one (Bearer); () = open
+    ssl_certfile: str | None = None  # the router serves TLS (gRPC and HTTP) with this cert and key
+    ssl_keyfile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,16 @@ class RaySettings:
 
 
 @dataclass(frozen=True)
+class RestartSettings:
+    """`kvferry up`'s restarts of a dead unit (redis, a pool node, a worker group, the router)."""
+
+    max: int = 5  # restarts of one unit within window_s; one more and it is left down (and reported)
+    window_s: float = 600.0
+    backoff_s: float = 1.0  # the wait before the first restart; doubled before each next one
+    max_backoff_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class WorkerGroupSettings:
     replicas: int = 1
     engine: dict = field(default_factory=dict)  # EngineConfig overrides
@@ -80,6 +99,7 @@ class WorkerGroupSettings:
 
 
 PLACEMENTS = ("prefill-first", "even")
+_TOP_OVERRIDES = {"model", "dtype", "redis_url", "colocated", "namespace", "cluster_host", "cluster_secret"}
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 
@@ -108,6 +128,9 @@ class ClusterConfig:
     dtype: str = "auto"
     namespace: str = "default"
     redis_url: str | None = None
+    # workers, pool nodes, redis and the groups' TCPStores bind this; only the router binds router.host
+    cluster_host: str = "127.0.0.1"
+    cluster_secret: str | None = field(default=None, repr=False)  # None: `kvferry up` makes one
     router: RouterSettings = RouterSettings()
     pool: PoolSettings = PoolSettings()
     # one group kind per role, or several (a list in YAML): e.g. TP=2 and TP=1 prefill groups side by side
@@ -116,6 +139,7 @@ class ClusterConfig:
     startup_timeout_s: float = 180.0
     drain_timeout_s: float = 60.0
     ray: RaySettings = RaySettings()
+    restarts: RestartSettings = RestartSettings()
     # the baseline: decode groups run both phases behind the same router; no prefill workers, no pool
     colocated: bool = False
     # how `kvferry up` shares one host's cores between worker processes (see host_placement)
@@ -134,6 +158,19 @@ class ClusterConfig:
             raise ClusterConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.ray.max_restarts < 0:
             raise ClusterConfigError(f"ray.max_restarts must be >= 0, got {self.ray.max_restarts}")
+        r = self.restarts
+        if r.max < 0 or r.window_s <= 0 or r.backoff_s < 0 or r.max_backoff_s < r.backoff_s:
+            raise ClusterConfigError(
+                "restarts: need max >= 0, window_s > 0 and 0 <= backoff_s <= max_backoff_s, "
+                f"got {r.max}, {r.window_s}, {r.backoff_s}, {r.max_backoff_s}"
+            )
+        if bool(self.router.ssl_certfile) != bool(self.router.ssl_keyfile):
+            raise ClusterConfigError("router.ssl_certfile and router.ssl_keyfile go together")
+        if self.cluster_host in ("0.0.0.0", "::", ""):
+            raise ClusterConfigError(
+                f"cluster_host {self.cluster_host!r} would expose workers, pool nodes and redis; "
+                "only the router faces clients (router.host / --host)"
+            )
         if self.placement not in PLACEMENTS:
             raise ClusterConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
@@ -249,11 +286,7 @@ class ClusterConfig:
 
     def with_overrides(self, **values) -> ClusterConfig:
         """Apply CLI flags (None = not given) on top of the file's values."""
-        top = {
-            k: v
-            for k, v in values.items()
-            if v is not None and k in {"model", "dtype", "redis_url", "colocated", "namespace"}
-        }
+        top = {k: v for k, v in values.items() if v is not None and k in _TOP_OVERRIDES}
         cfg = replace(self, **top)
         if values.get("port") is not None:
             cfg = replace(cfg, router=replace(cfg.router, port=values["port"]))
@@ -265,6 +298,11 @@ class ClusterConfig:
             cfg = replace(cfg, router=replace(cfg.router, http_port=values["http_port"]))
         if values.get("served_model_name") is not None:
             cfg = replace(cfg, router=replace(cfg.router, served_model_name=values["served_model_name"]))
+        if values.get("api_keys"):
+            cfg = replace(cfg, router=replace(cfg.router, api_keys=tuple(values["api_keys"])))
+        for key in ("ssl_certfile", "ssl_keyfile"):
+            if values.get(key) is not None:
+                cfg = replace(cfg, router=replace(cfg.router, **{key: str(values[key])}))
         for group, key in (
             ("prefill", "prefill_tensor_parallel_size"),
             ("decode", "decode_expert_parallel_size"),
@@ -302,9 +340,17 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     if unknown:
         raise ClusterConfigError(f"unknown cluster setting(s) {sorted(unknown)}; known: {sorted(known)}")
     kwargs = {}
-    for name, cls in (("router", RouterSettings), ("pool", PoolSettings), ("ray", RaySettings)):
+    sections = (
+        ("router", RouterSettings),
+        ("pool", PoolSettings),
+        ("ray", RaySettings),
+        ("restarts", RestartSettings),
+    )
+    for name, cls in sections:
         if name in raw:
             kwargs[name] = _section(cls, raw.pop(name) or {}, name)
+    if "router" in kwargs:  # YAML gives a list (or null)
+        kwargs["router"] = replace(kwargs["router"], api_keys=tuple(kwargs["router"].api_keys or ()))
     for group in ("prefill", "decode"):
         if group in raw:
             section = raw.pop(group) or {}
@@ -341,8 +387,9 @@ def cluster_config_to_dict(cfg: ClusterConfig) -> dict:
         return {"replicas": s.replicas, **s.engine, **({"resources": s.resources} if s.resources else {})}
 
     out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    for name in ("router", "pool", "ray"):
+    for name in ("router", "pool", "ray", "restarts"):
         out[name] = {f.name: getattr(out[name], f.name) for f in fields(out[name])}
+    out["router"]["api_keys"] = list(cfg.router.api_keys)
     for role in ("prefill", "decode"):
         value = getattr(cfg, role)
         out[role] = [group(s) for s in value] if isinstance(value, tuple) else group(value)

@@ -1,11 +1,23 @@
 """`kvferry up`: the whole cluster as local processes.
 
 Start order: redis-server (unless --redis-url) -> pool node(s) -> prefill and decode workers -> router.
-Each child is its own process (`python -m kvferry.<component>`), logs to <log dir>/<name>.log, binds
-127.0.0.1 by default and dies with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves
-nothing behind. `up` waits until the router reports every worker and pool node, prints a line with
-`ready` and the router address, serves `kvferry scale` requests (deploy.scaling), and on SIGINT/SIGTERM
-stops the children a tier at a time in `kvferry.proc.STOP_ORDER` (workers drain while the router relays).
+Each child is its own process (`python -m kvferry.<component>`), logs to <log dir>/<name>.log and dies
+with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves nothing behind. `up` waits until
+the router reports every worker and pool node, prints a line with `ready` and the router address,
+serves `kvferry scale` requests (deploy.scaling), and on SIGINT/SIGTERM stops the children a tier at a
+time in `kvferry.proc.STOP_ORDER` (workers drain while the router relays).
+
+Security: only the router binds `router.host` (`--host`); workers, pool nodes, redis and the groups'
+TCPStores bind `cluster_host` (127.0.0.1 by default). Every child gets the cluster secret in
+`KVFERRY_CLUSTER_SECRET` (kvferry.auth; never on a command line), and so does this process, whose
+probes and clients then carry it. The redis-server asks for a random password (deploy.redis_server).
+The router gets its API keys in `KVFERRY_API_KEY`. Secrets the operator needs (`cluster-secret`,
+`redis-url`) are written to the log dir, readable by the owner only, and removed at stop.
+
+Failure: once the cluster is up, a watcher thread restarts a dead unit (redis on its port with its
+password, a pool node, a worker group whole, the router) with the same command, after a backoff and
+within a budget (deploy.restarts); a unit past its budget is reported and left down. Scaling and
+stopping never count as deaths.
 """
 
 from __future__ import annotations
@@ -14,7 +26,6 @@ import contextlib
 import itertools
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,57 +34,47 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import grpc
-
+from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
 from kvferry.deploy import scaling
 from kvferry.deploy.config import ClusterConfig, cluster_layout
+from kvferry.deploy.readiness import reachable, wait_until_ready
+from kvferry.deploy.redis_server import (
+    LaunchError,
+    mask_url,
+    new_password,
+    redis_server_argv,
+    wait_for_redis,
+    write_private,
+    write_redis_config,
+)
+from kvferry.deploy.restarts import RestartBudget
 from kvferry.engine.args import engine_flags
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
-from kvferry.rpc import check_health
-from kvferry.settings import load_settings
+from kvferry.settings import API_KEY_ENV, load_settings
 
-
-class LaunchError(RuntimeError):
-    pass
-
-
-def redis_server_argv(host: str, port: int, workdir: Path | None = None) -> list[str]:
-    """A throwaway redis-server on host:port: no persistence (the metadata is a cache)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise LaunchError("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
-    argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
-    argv += ["--protected-mode", "no"]
-    return argv + (["--dir", str(workdir)] if workdir is not None else [])
-
-
-def wait_for_redis(host: str, port: int, deadline: float, check=None) -> str:
-    """Poll until the server answers PING (calling `check()` between tries); returns its URL."""
-    import redis
-
-    client = redis.Redis(host=host, port=port)
-    while True:
-        if check is not None:
-            check()
-        with contextlib.suppress(redis.RedisError):
-            client.ping()
-            return f"redis://{host}:{port}/0"
-        if time.monotonic() > deadline:
-            raise LaunchError(f"redis-server on {host}:{port} did not start in time")
-        time.sleep(0.05)
+SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf")  # in the log dir, 0600, removed at stop
 
 
 @dataclass
 class Child:
+    """One unit `kvferry up` runs: redis, a pool node, a worker group (its rank 0, which starts the
+    other ranks as its own children) or the router."""
+
     name: str
     proc: subprocess.Popen
     log: Path
-    reported: bool = False
+    argv: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict, repr=False)
     size: int = 1  # worker groups: processes (ranks) the group runs
+    # running | waiting (dead, restarts at restart_at) | failed (left down) | retiring (scaled away)
+    state: str = "running"
+    supervised: bool = False  # restarted when it dies: set once it has been ready
+    restart_at: float = 0.0
+    budget: RestartBudget = field(default_factory=RestartBudget)
 
 
 @dataclass
@@ -91,26 +92,38 @@ class LocalCluster:
     _placement: dict = field(default_factory=dict)
     _layout: BlockLayout | None = None  # the pool's (None when colocated)
     _tmp: Path | None = None
+    secret: str = field(default="", repr=False)  # the cluster secret every child gets
+    events: list[str] = field(default_factory=list)  # restarts and units left down, as reported
+    _lock: threading.RLock = field(default_factory=threading.RLock)  # children's states and procs
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _watcher: threading.Thread | None = None
 
     def say(self, text: str) -> None:
         if not self.quiet:
             print(text, file=sys.stderr, flush=True)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
+        env = {SECRET_ENV: self.secret, **(env or {})}
         log = self.log_dir / f"{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
+        child = Child(name, self._popen(log, argv, env, "wb"), log, argv, env)
+        child.budget = RestartBudget(self.cfg.restarts)
+        with self._lock:
+            self.children.append(child)
+        return child
+
+    @staticmethod
+    def _popen(log: Path, argv: list[str], env: dict, mode: str) -> subprocess.Popen:
+        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV)}
+        with log.open(mode) as out:
+            return subprocess.Popen(
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent(),
+                preexec_fn=die_with_parent(),  # tied to the spawning thread: main, or the watcher
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops them in order
-                env={**os.environ, **(env or {})},
+                env={**base, **env},
             )
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
 
     def _check_alive(self, children: list[Child] | None = None) -> None:
         for child in self.children if children is None else children:
@@ -132,30 +145,63 @@ class LocalCluster:
         model_cfg = ModelConfig.from_dir(model_dir)
         check_degrees(cfg, model_cfg)
         self._layout = None if cfg.colocated else cluster_layout(cfg, model_cfg)
-        host = cfg.router.host
+        self._set_secret()
+        inner = cfg.cluster_host
 
         if cfg.redis_url:
             self.redis_url = cfg.redis_url
         else:
-            self.redis_url = self._start_redis(host, deadline)
-        self.say(f"redis       {self.redis_url}")
+            self.redis_url = self._start_redis(inner, deadline)
+            write_private(self.log_dir / "redis-url", self.redis_url + "\n")
+        self.say(f"redis       {mask_url(self.redis_url)}")
 
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
-            self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", host, self.redis_url))
+            self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", inner, self.redis_url))
         self._placement = cfg.host_placement(os.cpu_count() or 1)
         for role in cfg.roles():
             for index, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
                     self.start_group(role, index)
-        port = cfg.router.port or free_port(host)
-        http_port = cfg.router.http_port
-        if http_port == 0:
-            http_port = free_port(host)
-        self._spawn("router", router_argv(cfg, str(model_dir), host, port, self.redis_url, http_port))
-        self.router_addr = f"{host}:{port}"
-        self.http_url = "" if http_port is None else f"http://{host}:{http_port}"
-        wait_until_ready(self.router_addr, expected_members(cfg), deadline, self._check_alive, self.say)
+        self._start_router(str(model_dir))
+        wait_until_ready(
+            self.router_addr,
+            expected_members(cfg),
+            deadline,
+            self._check_alive,
+            self.say,
+            **self.probe_args(),
+        )
+        with self._lock:
+            for child in self.children:
+                child.supervised = True
+        self._watcher = threading.Thread(target=self._watch, name="kvferry-watcher", daemon=True)
+        self._watcher.start()
         return self.router_addr
+
+    def _set_secret(self) -> None:
+        """The cluster secret: the config's, else this process's (another cluster it runs), else a new
+        one. This process takes it too: its probes, scale RPCs and test clients use kvferry.rpc."""
+        self.secret = self.cfg.cluster_secret or cluster_secret() or new_secret()
+        os.environ[SECRET_ENV] = self.secret
+        write_private(self.log_dir / "cluster-secret", self.secret + "\n")
+
+    def _start_router(self, model: str) -> None:
+        router = self.cfg.router
+        host = router.host
+        port = router.port or free_port(host)
+        http_port = free_port(host) if router.http_port == 0 else router.http_port
+        env = {API_KEY_ENV: ",".join(router.api_keys)} if router.api_keys else {}
+        self._spawn("router", router_argv(self.cfg, model, host, port, self.redis_url, http_port), env)
+        scheme = "https" if router.ssl_certfile else "http"
+        self.router_addr = f"{reachable(host)}:{port}"
+        self.http_url = "" if http_port is None else f"{scheme}://{reachable(host)}:{http_port}"
+
+    def probe_args(self) -> dict:
+        """How this process reaches the router (wait_until_ready's keywords): the secret, and the
+        router's certificate as the root when it serves TLS (self-signed, or its chain's root)."""
+        certfile = self.cfg.router.ssl_certfile
+        roots = Path(certfile).read_bytes() if certfile else None
+        return {"secret": self.secret, "root_certificates": roots}
 
     def start_group(self, role: str, kind: int) -> Child:
         name = f"{role}-{next(self._names[role])}"
@@ -163,20 +209,23 @@ class LocalCluster:
         placement = self._placement[role]
         paced = {"decode_step_interval_ms": placement.step_interval_ms} if placement.step_interval_ms else {}
         argv = worker_argv(
-            cfg, role, kind, name, str(self.model_dir), cfg.router.host, self.redis_url, defaults=paced
+            cfg, role, kind, name, str(self.model_dir), cfg.cluster_host, self.redis_url, defaults=paced
         )
         env = placement.env()
         if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
             del env["KVFERRY_NUM_THREADS"]
         child = self._spawn(name, placement.command(argv), env)
         child.size = cfg.group_size(role, kind)
-        self.groups[role].append(child)
+        with self._lock:
+            self.groups[role].append(child)
         return child
 
     def want(self) -> tuple[int, int, int]:
-        """(prefill, decode, pool) registry members of the groups meant to serve now."""
-        pool = expected_members(self.cfg)[2]
-        live = {role: [c for c in groups if c.proc.poll() is None] for role, groups in self.groups.items()}
+        """(prefill, decode, pool) registry members of the units meant to serve now (a unit waiting
+        to restart counts; one left down does not)."""
+        with self._lock:
+            pool = sum(1 for c in self.children if _kind(c.name) == "pool" and c.state != "failed")
+            live = {role: [c for c in groups if c.state != "failed"] for role, groups in self.groups.items()}
         return len(live["prefill"]), sum(c.size for c in live["decode"]), pool
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
@@ -186,42 +235,119 @@ class LocalCluster:
 
     # -- deploy.scaling.GroupLauncher ------------------------------------------------------------------
     def live_groups(self, role: str) -> list[Child]:
-        """The role's running groups, oldest first; one that exited is dropped from the role's groups
-        (it stays in `children`: reported, and reaped at stop)."""
-        self.groups[role] = [c for c in self.groups[role] if c.proc.poll() is None]
-        return list(self.groups[role])
+        """The role's groups that serve or will again (restarting), oldest first; one left down is
+        dropped from the role's groups (it stays in `children`: reported, and reaped at stop)."""
+        with self._lock:
+            self.groups[role] = [c for c in self.groups[role] if c.state != "failed"]
+            return list(self.groups[role])
 
     def wait_ready(self, started: list[Child], deadline: float) -> None:
         check = lambda: self._check_alive(started)  # noqa: E731
-        wait_until_ready(self.router_addr, self.want, deadline, check, self.say)
+        wait_until_ready(self.router_addr, self.want, deadline, check, self.say, **self.probe_args())
+        with self._lock:
+            for child in started:
+                child.supervised = True
 
     def discard(self, started: list[Child]) -> None:
+        with self._lock:
+            for child in started:
+                child.state = "retiring"
         for child in started:
             child.proc.kill()
             child.proc.wait()
-            self.groups[_kind(child.name)].remove(child)
-            self.children.remove(child)
+        with self._lock:
+            for child in started:
+                self.groups[_kind(child.name)].remove(child)
+                self.children.remove(child)
 
     def retire(self, groups: list[Child]) -> None:
-        for child in groups:
-            self.groups[_kind(child.name)].remove(child)
+        with self._lock:
+            for child in groups:
+                child.state = "retiring"  # its exit is no death: not restarted
+                self.groups[_kind(child.name)].remove(child)
         _terminate(groups, self.cfg.drain_timeout_s + 10)
-        for child in groups:
-            self.children.remove(child)
+        with self._lock:
+            for child in groups:
+                self.children.remove(child)
 
     def _start_redis(self, host: str, deadline: float) -> str:
         port = free_port(host)
-        self._spawn("redis", redis_server_argv(host, port))
-        return wait_for_redis(host, port, deadline, self._check_alive)
+        password = new_password()
+        config = write_redis_config(self.log_dir / "redis.conf", password)
+        self._spawn("redis", redis_server_argv(host, port, config=config))
+        return wait_for_redis(host, port, deadline, self._check_alive, password=password)
+
+    # -- restarts ---------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """The watcher thread: every unit that died is restarted (or left down), until stop(). The
+        restarted processes' death signal is tied to this thread, which lives until they are stopped."""
+        while not self._stopping.wait(0.2):
+            try:
+                self.tend(time.monotonic())
+            except Exception as err:  # e.g. a log dir gone: reported, the watcher goes on
+                self._report(f"kvferry: restarting units failed: {err!r}")
+
+    def tend(self, now: float) -> None:
+        """One pass: a supervised unit that exited waits its backoff (or is left down, past its
+        budget); one whose wait is over starts again with the same command and environment."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            for child in self.children:
+                if not child.supervised or child.state in ("failed", "retiring"):
+                    continue
+                if child.state == "running" and child.proc.poll() is not None:
+                    self._died(child, now)
+                elif child.state == "waiting" and now >= child.restart_at:
+                    self._restart(child, now)
+
+    def _died(self, child: Child, now: float) -> None:
+        code = child.proc.returncode
+        delay = child.budget.delay(now)
+        r = self.cfg.restarts
+        if delay is None:
+            child.state = "failed"
+            self._report(
+                f"kvferry: {child.name} exited with code {code}; restarted {r.max} times within "
+                f"{r.window_s:.0f}s: left down; see {child.log}"
+            )
+            return
+        child.state, child.restart_at = "waiting", now + delay
+        self._report(
+            f"kvferry: {child.name} exited with code {code}; restarting in {delay:.0f}s; see {child.log}"
+        )
+
+    def _restart(self, child: Child, now: float) -> None:
+        with child.log.open("ab") as out:
+            out.write(b"\n--- kvferry: restarting ---\n")
+        child.proc = self._popen(child.log, child.argv, child.env, "ab")
+        child.state = "running"
+        n = child.budget.record(now)
+        self._report(f"kvferry: {child.name} restarted ({n} of {self.cfg.restarts.max} restarts allowed)")
+
+    def _report(self, line: str) -> None:
+        self.events.append(line)
+        if not self.quiet:
+            print(line, file=sys.stderr, flush=True)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop a tier at a time: prefill workers, decode workers (each drains: what is in flight
         finishes, relayed by the router, which goes only after them), the router, pool nodes, redis.
-        SIGTERM, then SIGKILL after `timeout_s` (for workers, after their drain timeout)."""
+        SIGTERM, then SIGKILL after `timeout_s` (for workers, after their drain timeout). Nothing is
+        restarted from the moment stop() begins."""
+        with self._lock:
+            self._stopping.set()
+            children = list(self.children)
         for kind in STOP_ORDER:
-            tier = [c for c in self.children if _kind(c.name) == kind]
+            tier = [c for c in children if _kind(c.name) == kind]
             _terminate(tier, self.cfg.drain_timeout_s + 5 if kind in ("prefill", "decode") else timeout_s)
+        if self._watcher is not None:
+            self._watcher.join()
         self.children = []
+        if self.log_dir is not None:
+            for name in SECRET_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.log_dir / name).unlink()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -251,33 +377,6 @@ def expected_members(cfg: ClusterConfig, pool_nodes: int | None = None) -> tuple
     (rank 0 serves it), a decode group once per rank."""
     pool = 0 if cfg.colocated else cfg.pool.nodes if pool_nodes is None else pool_nodes
     return cfg.members("prefill"), cfg.members("decode"), pool
-
-
-def wait_until_ready(router_addr: str, want, deadline: float, check=None, say=None) -> None:
-    """Poll the router until it serves and reports `want` = (prefill, decode, pool) members (a
-    callable: re-read each time); `check()` between tries raises when a component died."""
-    from kvferry.router.client import Client
-
-    last = None
-    with Client(router_addr) as client:
-        while True:
-            if check is not None:
-                check()
-            target = want() if callable(want) else want
-            if check_health(router_addr):
-                try:
-                    info = client.model_info(timeout=2)
-                    have = (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes)
-                except grpc.RpcError:
-                    have = None
-                if have == target:
-                    return
-                if have != last and say is not None:
-                    last = have
-                    say(f"waiting: prefill/decode/pool {have} of {target}")
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the cluster was not ready in time (router reports {last}, want {target})")
-            time.sleep(0.2)
 
 
 def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str, redis_url: str) -> list[str]:
@@ -316,14 +415,18 @@ def worker_argv(
 def router_argv(
     cfg: ClusterConfig, model: str, host: str, port: int, redis_url: str, http_port: int | None
 ) -> list[str]:
-    """`http_port`: the OpenAI API's (None = off)."""
-    served = cfg.router.served_model_name or cfg.model
+    """`host`: what the router binds (router.host: the one address clients reach); `http_port`: the
+    OpenAI API's (None = off). The API keys go in the environment (KVFERRY_API_KEY), never here."""
+    router = cfg.router
+    served = router.served_model_name or cfg.model
+    tls = ["--ssl-certfile", router.ssl_certfile, "--ssl-keyfile", router.ssl_keyfile]
     return [
         *(sys.executable, "-m", "kvferry.router", "--model", model, "--served-model-name", served),
         *_common(cfg, host, redis_url),
-        *("--port", str(port), "--max-inflight", str(cfg.router.max_inflight)),
+        *("--port", str(port), "--max-inflight", str(router.max_inflight)),
         *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
         *(["--colocated"] if cfg.colocated else []),
+        *(tls if router.ssl_certfile else []),
     ]
 
 
@@ -341,86 +444,3 @@ def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:
                 check_ep(model_cfg, engine.expert_parallel_size)
             except ParallelConfigError as err:
                 raise LaunchError(f"{role} group {index}: {err}") from None
-
-
-def _scale_key(namespace: str) -> str:
-    return f"kvf:{namespace}:scale"
-
-
-def _launcher_key(namespace: str) -> str:
-    return f"kvf:{namespace}:launcher"  # a running `kvferry up` refreshes it every second
-
-
-def request_scale(redis_url: str, namespace: str, prefill: int | None, decode: int | None, timeout_s=600.0):
-    """`kvferry scale` for a local cluster: its `kvferry up` watches this Redis key and answers."""
-    import json
-    import uuid
-
-    import redis
-
-    ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode}
-    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
-    key = _scale_key(namespace)
-    try:
-        if not client.exists(_launcher_key(namespace)):
-            print(
-                f"kvferry: error: no kvferry up serves namespace {namespace!r} on {redis_url}",
-                file=sys.stderr,
-            )
-            return 2
-        client.set(key, json.dumps(ask))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            raw = client.get(key + ":done")
-            if raw is not None and json.loads(raw).get("id") == ask["id"]:
-                done = json.loads(raw)
-                print(json.dumps(done, indent=2))
-                return 0 if done.get("ok") else 1
-            time.sleep(0.2)
-        client.delete(key)  # nobody took it: it must not run later, unasked
-    except redis.RedisError as err:
-        print(f"kvferry: error: {redis_url}: {err}", file=sys.stderr)
-        return 1
-    print(f"kvferry: error: kvferry up did not answer within {timeout_s:.0f}s", file=sys.stderr)
-    return 1
-
-
-def _serve_scale_requests(cluster: LocalCluster) -> None:
-    import json
-
-    import redis
-
-    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=2)
-    key = _scale_key(cluster.cfg.namespace)
-    try:
-        client.set(_launcher_key(cluster.cfg.namespace), str(os.getpid()), px=5000)
-        raw = client.getdel(key)
-        if raw is None:
-            return
-        answer = {"id": None, "ok": True}
-        try:
-            ask = json.loads(raw)
-            answer["id"] = ask.get("id")
-            cluster.scale(ask.get("prefill"), ask.get("decode"))
-        except Exception as err:  # a bad request or a failed scale: answered, the cluster serves on
-            answer.update(ok=False, error=str(err))
-        answer["groups"] = {role: [c.name for c in cluster.groups[role]] for role in cluster.groups}
-        client.set(key + ":done", json.dumps(answer), ex=600)
-    except redis.RedisError as err:
-        print(f"kvferry: scale requests: redis: {err}", file=sys.stderr, flush=True)
-
-
-def run_until_signal(cluster: LocalCluster) -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        _serve_scale_requests(cluster)
-        for child in cluster.children:
-            if child.proc.poll() is not None and not child.reported:
-                child.reported = True
-                print(
-                    f"kvferry: {child.name} exited with code {child.proc.returncode}; see {child.log}",
-                    file=sys.stderr,
-                    flush=True,
-                )

@@ -15,7 +15,11 @@
   which the process inherits.
 - One **pool node** per Ray node (hard node affinity; nodes that join later get one, nodes that leave
   take theirs), or `pool.nodes` of them spread (`pool.per_ray_node: false`).
-- The **router** and **redis-server** (unless `redis_url` is given) run on the head node.
+- The **router** and **redis-server** (unless `redis_url` is given) run on the head node; redis asks
+  for a password made at start (kept across relaunches), written to a file only its actor can read.
+- **Secrets**: the controller runs with the cluster secret in its environment (Ray's runtime env; the
+  driver makes one unless the config has `cluster_secret`) and hands it to every process it launches
+  in `KVFERRY_CLUSTER_SECRET`, the router its API keys in `KVFERRY_API_KEY`: never on a command line.
 - **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher checks
   every unit every second and relaunches one with a dead actor or an exited process whole (every
   rank of a group: a group cannot take one rank back mid-collective) on the same resources. The
@@ -53,8 +57,11 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
 from kvferry.deploy import scaling
+from kvferry.deploy.redis_server import mask_url, new_password, redis_url, write_private
 from kvferry.proc import STOP_ORDER, die_with_parent
+from kvferry.settings import API_KEY_ENV
 
 if TYPE_CHECKING:
     from kvferry.deploy.config import ClusterConfig
@@ -82,6 +89,7 @@ class Supervisor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.launches = 0
+        self.private: Path | None = None  # an owner-only dir for the files a launch needs (redis.conf)
 
     def where(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -97,13 +105,21 @@ class Supervisor:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def launch(self, argv: list[str], env: dict[str, str]) -> int:
-        """Start the component ({host}: this node's IP, {python}: this interpreter); returns its pid."""
+    def launch(self, argv: list[str], env: dict[str, str], files: dict[str, str] | None = None) -> int:
+        """Start the component ({host}: this node's IP, {python}: this interpreter, {file:NAME}: the
+        path of `files[NAME]`, written readable by this user only); returns its pid."""
         self.kill()
         ip = ray.util.get_node_ip_address()
         argv = [a.replace("{host}", ip).replace("{python}", sys.executable) for a in argv]
+        if files:
+            if self.private is None:
+                self.private = Path(tempfile.mkdtemp(prefix=f"kvferry-{self.name}-"))  # 0700
+            for name, text in files.items():
+                path = write_private(self.private / name, text)
+                argv = [a.replace(f"{{file:{name}}}", str(path)) for a in argv]
         with self.log_path.open("ab") as out:
-            out.write(f"--- kvferry launch {self.launches}: {' '.join(argv)}\n".encode())
+            shown = " ".join(mask_url(a) for a in argv)  # workers' --redis-url carries the password
+            out.write(f"--- kvferry launch {self.launches}: {shown}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
                 argv,
@@ -176,6 +192,8 @@ class Controller:
         self.scaling = threading.Lock()  # one scale() at a time
         self.names = {role: itertools.count() for role in ("prefill", "decode", "pool")}
         self.redis_url = self.cfg.redis_url or ""
+        self.redis_password = ""  # of the redis-server started here: made once, kept across relaunches
+        self.secret = cluster_secret()  # from the runtime env `up` gives this actor (None: an open cluster)
         self.router_addr = ""
         self.http_url = ""
         self.model_dir: Path | None = None
@@ -189,7 +207,8 @@ class Controller:
     # -- start / stop ---------------------------------------------------------------------------------
     def start(self) -> dict:
         from kvferry.deploy.config import cluster_layout
-        from kvferry.deploy.local import check_degrees, wait_for_redis, wait_until_ready
+        from kvferry.deploy.local import check_degrees, wait_for_redis
+        from kvferry.deploy.readiness import wait_until_ready
         from kvferry.model.config import ModelConfig
         from kvferry.model.create import resolve_model
         from kvferry.settings import load_settings
@@ -202,10 +221,11 @@ class Controller:
         if not cfg.colocated:  # the workers' layout, on the devices their bundles give them
             self.layout = cluster_layout(cfg, model_cfg, ray_gpus=self._ray_gpus())
         if not cfg.redis_url:
+            self.redis_password = new_password()
             redis = self._start(self._new_unit("redis", "redis"))
             host, port = redis.where[0]["ip"], redis.port
-            wait_for_redis(host, port, deadline, lambda: self._check_started([redis]))
-        self._event(f"redis {self.redis_url}")
+            wait_for_redis(host, port, deadline, lambda: self._check_started([redis]), self.redis_password)
+        self._event(f"redis {mask_url(self.redis_url)}")
         if not cfg.colocated:
             self._reconcile_pool()
         for role in cfg.roles():
@@ -213,7 +233,14 @@ class Controller:
                 for _ in range(settings.replicas):
                     self._start(self._new_group(role, kind))
         self._start(self._new_unit("router", "router"))
-        wait_until_ready(self.router_addr, self._want, deadline, lambda: self._check_started(), self._event)
+        wait_until_ready(
+            self.router_addr,
+            self._want,
+            deadline,
+            lambda: self._check_started(),
+            self._event,
+            root_certificates=self._router_roots(),
+        )
         self.phase = "ready"
         http = f", OpenAI API at {self.http_url}/v1" if self.http_url else ""
         self._event(f"ready: router at {self.router_addr}{http}")
@@ -254,9 +281,16 @@ class Controller:
         return self._start(self._new_group(role, kind))
 
     def wait_ready(self, started: list[Unit], deadline: float) -> None:
-        from kvferry.deploy.local import wait_until_ready
+        from kvferry.deploy.readiness import wait_until_ready
 
-        wait_until_ready(self.router_addr, self._want, deadline, None, self._event)
+        wait_until_ready(
+            self.router_addr, self._want, deadline, None, self._event, root_certificates=self._router_roots()
+        )
+
+    def _router_roots(self) -> bytes | None:
+        """The router's certificate, the probe's root, when it serves TLS (read on the head node)."""
+        certfile = self.cfg.router.ssl_certfile
+        return Path(certfile).read_bytes() if certfile else None
 
     def discard(self, started: list[Unit]) -> None:
         for unit in started:
@@ -404,10 +438,13 @@ class Controller:
             self._create_actors(unit)
         unit.where = ray.get([s.where.remote() for s in unit.sups], timeout=self.cfg.startup_timeout_s)
         ip = unit.where[0]["ip"]
+        env = {SECRET_ENV: self.secret} if self.secret else {}
+        files = None
         if unit.role == "redis":
             unit.port = unit.port or ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
-            argvs = [redis_server_argv("{host}", unit.port)]
-            self.redis_url = f"redis://{ip}:{unit.port}/0"
+            argvs = [redis_server_argv("{host}", unit.port, config=Path("{file:redis.conf}"))]
+            files = {"redis.conf": f"requirepass {self.redis_password}\n"}
+            self.redis_url = redis_url(ip, unit.port, self.redis_password)
         elif unit.role == "pool":
             argvs = [pool_argv(cfg, self.layout, unit.name, "{host}", self.redis_url)]
         elif unit.role == "router":
@@ -418,6 +455,8 @@ class Controller:
                     unit.http_port or cfg.router.http_port or ray.get(unit.sups[0].free_port.remote())
                 )
             argvs = [router_argv(cfg, cfg.model, host, unit.port, self.redis_url, unit.http_port)]
+            if cfg.router.api_keys:
+                env[API_KEY_ENV] = ",".join(cfg.router.api_keys)
             reach = ip if host in ("0.0.0.0", "::", "") else host
             self.router_addr = f"{reach}:{unit.port}"
             self.http_url = "" if unit.http_port is None else f"http://{reach}:{unit.http_port}"
@@ -430,9 +469,10 @@ class Controller:
                 argvs = [[*base, "--rank", str(r), "--dist-init", init] for r in range(unit.size)]
         argvs = [["{python}" if a == sys.executable else a for a in argv] for argv in argvs]
         threads = max(1, int(self._bundle(unit).get("CPU", 1))) if unit.role in ("prefill", "decode") else 1
-        env = {"KVFERRY_NUM_THREADS": str(threads)}
+        env["KVFERRY_NUM_THREADS"] = str(threads)
         ray.get(
-            [s.launch.remote(a, env) for s, a in zip(unit.sups, argvs, strict=True)], timeout=RPC_TIMEOUT_S
+            [s.launch.remote(a, env, files) for s, a in zip(unit.sups, argvs, strict=True)],
+            timeout=RPC_TIMEOUT_S,
         )
         unit.state = "running"
         return unit
@@ -554,7 +594,7 @@ class Controller:
             "phase": self.phase,
             "router": self.router_addr,
             "http": self.http_url,
-            "redis_url": self.redis_url,
+            "redis_url": mask_url(self.redis_url),
             "log_dir": self.log_dir,
             "units": [
                 {
@@ -569,6 +609,10 @@ class Controller:
             "events": self.events[-50:],
             "event_count": self.event_count,
         }
+
+    def full_redis_url(self) -> str:
+        """The Redis URL with its password (status() shows it masked): tests, operators' tools."""
+        return self.redis_url
 
     def actors(self, name: str) -> list:
         """The supervisor actors of a unit (tests, operators: e.g. ray.kill one to see recovery)."""
@@ -595,10 +639,16 @@ def get_controller(namespace: str):
 
 
 def up(cfg: ClusterConfig, detach: bool = False, say=print):
-    """Create the controller and start the cluster; returns (controller, status). Prints progress."""
+    """Create the controller and start the cluster; returns (controller, status). Prints progress.
+    The cluster secret (the config's, this process's, or a new one) reaches the controller by its
+    runtime env, not by its arguments."""
+    from dataclasses import replace
+
     from kvferry.deploy.config import cluster_config_to_dict
 
     cfg.validate()
+    secret = cfg.cluster_secret or cluster_secret() or new_secret()
+    cfg = replace(cfg, cluster_secret=None)
     try:
         get_controller(cfg.namespace)
     except LaunchError:
@@ -617,6 +667,7 @@ def up(cfg: ClusterConfig, detach: bool = False, say=print):
             num_cpus=0,
             resources=HEAD,
             max_concurrency=8,
+            runtime_env={"env_vars": {SECRET_ENV: secret}},
         )
         .remote(json.dumps(cluster_config_to_dict(cfg)))
     )

@@ -137,6 +137,7 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     gen.add_argument("--server", metavar="HOST:PORT", help="send to a running cluster's router instead")
     gen.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (--server)")
+    _client_auth_args(gen)
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
@@ -193,18 +194,45 @@ def _read_prompts(path: Path, args) -> list[dict]:
     return requests
 
 
+def _client_auth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="with --server: the router's API key (default: the first of KVFERRY_API_KEY); "
+        "prefer the variable, a flag shows in ps",
+    )
+    p.add_argument(
+        "--ssl-ca-certs",
+        type=Path,
+        default=None,
+        help="with --server: the router serves TLS; PEM roots to trust",
+    )
+
+
+def _router_client(target: str, api_key: str | None, ca_certs: Path | None):
+    """A router client that sends `api_key` (else the environment's) and trusts `ca_certs` (TLS)."""
+    from kvferry.router.client import Client
+    from kvferry.settings import load_settings
+
+    key = api_key or next(iter(load_settings().api_keys), None)
+    auth = {"api_key": key} if key else {}
+    if ca_certs is not None:
+        auth["root_certificates"] = ca_certs.read_bytes()
+    return Client(target, **auth)
+
+
 def _generate_remote(args, params: SamplingParams) -> int:
     """`kvferry generate --server`: the same flags, answered by a cluster over gRPC."""
     import grpc
 
-    from kvferry.router.client import Client, build_request
+    from kvferry.router.client import build_request
 
     if args.prompts_file:
         requests = _read_prompts(args.prompts_file, args)
     else:
         ids = list(_int_list(args.prompt_token_ids)) if args.prompt_token_ids else None
         requests = [{"prompt": args.prompt, "prompt_token_ids": ids, "params": params}]
-    with Client(args.server) as client:
+    with _router_client(args.server, args.api_key, args.ssl_ca_certs) as client:
         for item in requests:
             p: SamplingParams = item["params"]
             request = build_request(
@@ -266,7 +294,31 @@ def _up_parser(sub) -> None:
     up.add_argument("--config", type=Path, help="cluster YAML (see docs/architecture.md)")
     up.add_argument("--model", default=None, help="checkpoint directory, or tiny | bench")
     up.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    up.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
+    up.add_argument(
+        "--host",
+        default=None,
+        help="address the router binds, gRPC and HTTP (default 127.0.0.1; 0.0.0.0 exposes it, and only it)",
+    )
+    up.add_argument(
+        "--cluster-host",
+        default=None,
+        help="address workers, pool nodes and redis bind (default 127.0.0.1; never a wildcard)",
+    )
+    up.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="the internal plane's secret (default: the config's cluster_secret, else a new one)",
+    )
+    up.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="an API key the router asks clients for (repeatable; default: KVFERRY_API_KEY, comma-separated, "
+        "which keeps the keys out of ps)",
+    )
+    up.add_argument("--ssl-certfile", type=Path, default=None, help="the router serves TLS with this cert")
+    up.add_argument("--ssl-keyfile", type=Path, default=None, help="... and this key")
     up.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 = any free)")
     up.add_argument(
         "--http-port",
@@ -312,13 +364,29 @@ def _up_parser(sub) -> None:
 
 
 def _cmd_up(args) -> int:
-    from kvferry.deploy.config import load_cluster_config
-    from kvferry.deploy.local import LaunchError, LocalCluster, run_until_signal
+    from kvferry.deploy.config import ClusterConfigError, load_cluster_config
+    from kvferry.deploy.local import LaunchError, LocalCluster
+    from kvferry.deploy.local_control import run_until_signal
+    from kvferry.deploy.redis_server import mask_url
+    from kvferry.settings import load_settings
 
+    secret = None
+    if args.cluster_secret_file is not None:
+        try:
+            secret = args.cluster_secret_file.read_text().strip() or None
+        except OSError as err:
+            raise ClusterConfigError(f"--cluster-secret-file: {err}") from None
+        if secret is None:
+            raise ClusterConfigError(f"--cluster-secret-file: {args.cluster_secret_file} is empty")
     cfg = load_cluster_config(args.config).with_overrides(
         model=args.model,
         dtype=args.dtype,
         host=args.host,
+        cluster_host=args.cluster_host,
+        cluster_secret=secret,
+        api_keys=args.api_key or load_settings().api_keys,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
         port=args.port,
         http_port=args.http_port,
         no_http=args.no_http,
@@ -349,20 +417,26 @@ def _cmd_up(args) -> int:
     try:
         http = f", OpenAI API at {cluster.http_url}/v1" if cluster.http_url else ""
         print(
-            f"kvferry cluster ready: router at {addr} (redis {cluster.redis_url}{http}, logs in "
+            f"kvferry cluster ready: router at {addr} (redis {mask_url(cluster.redis_url)}{http}, logs in "
             f"{cluster.log_dir})",
+            flush=True,
+        )
+        print(
+            f"kvferry: secrets in {cluster.log_dir} (owner-only, removed at stop): cluster-secret"
+            + ("" if cfg.redis_url else ", redis-url (kvferry scale --redis-url-file)"),
+            file=sys.stderr,
             flush=True,
         )
         if args.prompt is None:
             run_until_signal(cluster)
             print("kvferry: shutting down", file=sys.stderr, flush=True)
             return 0
-        return _prompt_once(args, addr)
+        return _prompt_once(args, addr, cfg)
     finally:
         cluster.stop()
 
 
-def _prompt_once(args, addr: str) -> int:
+def _prompt_once(args, addr: str, cfg) -> int:
     args.server, args.prompts_file, args.prompt_token_ids, args.json, args.timeout = (
         addr,
         None,
@@ -370,6 +444,8 @@ def _prompt_once(args, addr: str) -> int:
         False,
         None,
     )
+    args.api_key = next(iter(cfg.router.api_keys), None)
+    args.ssl_ca_certs = Path(cfg.router.ssl_certfile) if cfg.router.ssl_certfile else None
     return _generate_remote(args, sampling_params_from(args))
 
 
@@ -401,7 +477,7 @@ def _up_ray(args, cfg) -> int:
         return 0
     try:
         if args.prompt is not None:
-            return _prompt_once(args, addr)
+            return _prompt_once(args, addr, cfg)
         ray_launch.run_until_signal(ctrl, say)
         print("kvferry: shutting down", file=sys.stderr, flush=True)
         return 0
@@ -432,7 +508,13 @@ def _control_args(p) -> None:
         "--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, or the one running here)"
     )
     p.add_argument("--namespace", default="default", help="the cluster's namespace")
-    p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): the Redis URL it printed")
+    p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): its Redis URL")
+    p.add_argument(
+        "--redis-url-file",
+        type=Path,
+        default=None,
+        help="a local cluster: the file with its Redis URL (<log dir>/redis-url: no password in ps)",
+    )
 
 
 def _ray_controller(args):
@@ -466,12 +548,18 @@ def _cmd_scale(args) -> int:
             return 1
         print(json.dumps(status, indent=2))
         return 0
-    from kvferry.deploy.local import request_scale
+    from kvferry.deploy.local_control import request_scale
 
-    if args.redis_url is None:
-        print("kvferry: error: give --ray, or --redis-url of a local cluster", file=sys.stderr)
+    redis_url = args.redis_url
+    if args.redis_url_file is not None:
+        redis_url = args.redis_url_file.read_text().strip()
+    if not redis_url:
+        print(
+            "kvferry: error: give --ray, or --redis-url / --redis-url-file of a local cluster",
+            file=sys.stderr,
+        )
         return 2
-    return request_scale(args.redis_url, args.namespace, args.prefill, args.decode)
+    return request_scale(redis_url, args.namespace, args.prefill, args.decode)
 
 
 def _cmd_down(args) -> int:

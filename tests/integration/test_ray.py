@@ -149,7 +149,8 @@ def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_f
     assert client.model_info().num_decode_workers == 2
     # most go to the new, empty group; long enough to be seen in flight by a heartbeat (1 s)
     second = wave(range(100, 106), 600)
-    meta = MetadataStore(status["redis_url"], "test-ray")
+    assert ":***@" in status["redis_url"]  # the launched redis asks for a password, never shown
+    meta = MetadataStore(ray.get(ctrl.full_redis_url.remote()), "test-ray")
     wait_for(
         lambda: meta.members("decode").get("decode-1", {}).get("inflight", 0) > 0,
         60,

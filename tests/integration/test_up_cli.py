@@ -45,9 +45,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def scale(redis_url: str, *counts: str) -> dict:
+def scale(redis_url_file: Path, *counts: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "kvferry.cli", "scale", "--redis-url", redis_url, *counts],
+        [sys.executable, "-m", "kvferry.cli", "scale", "--redis-url-file", str(redis_url_file), *counts],
         capture_output=True,
         text=True,
         timeout=300,
@@ -89,10 +89,14 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         children = descendants(proc.pid)
         assert len(children) >= 5  # redis, pool node, prefill, decode, router
         ready = next(line for line in lines if "ready" in line)
-        redis_url = ready.split("(redis ")[1].split(",")[0]
+        url_file = tmp_path / "logs" / "redis-url"
+        redis_url = url_file.read_text().strip()  # redis://:PASSWORD@HOST:PORT/0, owner-only file
+        password = redis_url.split("://:")[1].split("@")[0]
+        assert ready.split("(redis ")[1].split(",")[0] == redis_url.replace(password, "***")
+        assert (url_file.stat().st_mode & 0o777) == 0o600
         api = ready.split("OpenAI API at ")[1].split(",")[0]  # http://HOST:PORT/v1
         with urllib.request.urlopen(api + "/models", timeout=10) as reply:
-            assert json.load(reply)["data"][0]["id"] == str(tiny_model_dir)
+            assert json.load(reply)["data"][0]["id"] == tiny_model_dir.name  # never the path
         with Client(addr) as client:
             got = client.generate(
                 build_request("def fibonacci(n):", max_tokens=8, temperature=0.0), timeout=60
@@ -102,10 +106,10 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
             with ThreadPoolExecutor(4) as pool:
                 long = build_request("def fibonacci(n):", max_tokens=150, temperature=0.0, ignore_eos=True)
                 first = [pool.submit(client.generate, long, 120) for _ in range(2)]
-                assert scale(redis_url, "--decode", "2")["groups"]["decode"] == ["decode-0", "decode-1"]
+                assert scale(url_file, "--decode", "2")["groups"]["decode"] == ["decode-0", "decode-1"]
                 assert client.model_info().num_decode_workers == 2
                 second = [pool.submit(client.generate, long, 120) for _ in range(2)]
-                assert scale(redis_url, "--decode", "1")["groups"]["decode"] == ["decode-0"]
+                assert scale(url_file, "--decode", "1")["groups"]["decode"] == ["decode-0"]
                 outputs = [f.result().finished.output_tokens for f in first + second]
             assert outputs == [150] * 4  # nothing lost, on the way up or down
             assert client.model_info().num_decode_workers == 1
@@ -129,6 +133,8 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
                 proc.send_signal(signal.SIGTERM)
                 assert [f.result().finished.output_tokens for f in last] == [1500, 1500]
         assert proc.wait(60) == 0
+        output = "".join(lines) + proc.stderr.read()
+        assert password not in output and "restart" not in output  # a clean stop restarts nothing
     finally:
         if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
             proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
@@ -138,3 +144,71 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "processes left behind"
     assert os.listdir(tmp_path / "logs")  # each component logged
+    assert (
+        not (tmp_path / "logs" / "redis-url").exists() and not (tmp_path / "logs" / "cluster-secret").exists()
+    )
+
+
+def self_signed_cert(out: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and localhost), its own root."""
+    cert, key = out / "cert.pem", out / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_up_with_an_api_key_and_tls_serves_only_clients_with_the_key(tiny_model_dir, tmp_path):
+    """The key reaches the router by its environment (not its command line), the launcher's readiness
+    probe gets through TLS and the key gate, and `kvferry generate --server` sends the key."""
+    cert, key = self_signed_cert(tmp_path)
+    env = {**os.environ, "KVFERRY_API_KEY": "the-key"}
+    env.pop("KVFERRY_CLUSTER_SECRET", None)
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvferry.cli", "up", "--model", str(tiny_model_dir)),
+            *("--port", "0", "--no-http", "--log-dir", str(tmp_path / "logs")),
+            *("--ssl-certfile", str(cert), "--ssl-keyfile", str(key)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        ready = proc.stdout.readline()  # blocks until the ready line (or EOF if up failed)
+        assert "ready" in ready, f"kvferry up ended: {proc.wait(60)}"
+        addr = ready.split("router at ")[1].split()[0]
+        router = next(pid for pid in descendants(proc.pid) if b"kvferry.router" in _proc(pid, "cmdline"))
+        assert b"the-key" not in _proc(router, "cmdline")
+        assert b"KVFERRY_API_KEY=the-key" in _proc(router, "environ").split(b"\0")
+        generate = [
+            *(sys.executable, "-m", "kvferry.cli", "generate", "--server", addr, "--prompt", "def f(n):"),
+            *("--max-tokens", "4", "--ssl-ca-certs", str(cert)),
+        ]
+        client_env = {k: v for k, v in env.items() if k != "KVFERRY_API_KEY"}
+        refused = subprocess.run(generate, capture_output=True, text=True, timeout=120, env=client_env)
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+        served = subprocess.run(
+            [*generate, "--api-key", "the-key"], capture_output=True, text=True, timeout=120, env=client_env
+        )
+        assert served.returncode == 0 and "output=4" in served.stderr, served.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _proc(pid: int, what: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes()
+    except OSError:
+        return b""

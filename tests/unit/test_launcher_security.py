@@ -1,0 +1,168 @@
+"""`kvferry up`'s launcher without a cluster: what each child's command and environment carry (hosts,
+secrets, router flags), the restart budget, and the watcher's decisions on real short-lived processes."""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvferry.auth import SECRET_ENV
+from kvferry.deploy.config import (
+    ClusterConfig,
+    ClusterConfigError,
+    RestartSettings,
+    RouterSettings,
+    cluster_config_from_dict,
+    cluster_config_to_dict,
+)
+from kvferry.deploy.local import LocalCluster, router_argv, worker_argv
+from kvferry.deploy.redis_server import mask_url, redis_server_argv, write_private, write_redis_config
+from kvferry.deploy.restarts import RestartBudget
+from kvferry.settings import API_KEY_ENV
+
+
+def test_only_the_router_takes_the_public_host():
+    cfg = ClusterConfig().with_overrides(host="0.0.0.0")
+    assert (cfg.router.host, cfg.cluster_host) == ("0.0.0.0", "127.0.0.1")
+    worker = worker_argv(cfg, "decode", 0, "decode-0", "tiny", cfg.cluster_host, "redis://x:1/0")
+    assert worker[worker.index("--host") + 1] == "127.0.0.1"
+    router = router_argv(cfg, "tiny", cfg.router.host, 5, "redis://x:1/0", 6)
+    assert router[router.index("--host") + 1] == "0.0.0.0"
+    with pytest.raises(ClusterConfigError, match="cluster_host"):
+        ClusterConfig().with_overrides(cluster_host="0.0.0.0").validate()
+
+
+def test_router_security_settings_reach_its_command_but_keys_stay_out_of_it():
+    cfg = ClusterConfig().with_overrides(api_keys=("k1", "k2"), ssl_certfile="c.pem", ssl_keyfile="k.pem")
+    assert cfg.router.api_keys == ("k1", "k2")
+    argv = router_argv(cfg, "tiny", "127.0.0.1", 5, "redis://x:1/0", None)
+    assert argv[argv.index("--ssl-certfile") + 1] == "c.pem"
+    assert argv[argv.index("--ssl-keyfile") + 1] == "k.pem"
+    assert "k1" not in " ".join(argv) and "--api-key" not in argv
+    assert "k1" not in repr(cfg)  # keys and the secret never land in a log line that prints the config
+    assert "s3cret" not in repr(ClusterConfig(cluster_secret="s3cret"))
+    with pytest.raises(ClusterConfigError, match="ssl_keyfile go together"):
+        ClusterConfig(router=RouterSettings(ssl_certfile="c.pem")).validate()
+
+
+def test_security_and_restart_settings_survive_the_yaml_round_trip():
+    raw = {
+        "cluster_secret": "abc",
+        "cluster_host": "127.0.0.2",
+        "router": {"api_keys": ["k"], "host": "0.0.0.0"},
+        "restarts": {"max": 2, "window_s": 60},
+    }
+    cfg = cluster_config_from_dict(raw)
+    assert (cfg.cluster_secret, cfg.router.api_keys, cfg.restarts.max) == ("abc", ("k",), 2)
+    assert cluster_config_from_dict(cluster_config_to_dict(cfg)) == cfg
+    with pytest.raises(ClusterConfigError, match="restarts"):
+        cluster_config_from_dict({"restarts": {"backoff_s": 10, "max_backoff_s": 1}})
+
+
+def test_redis_password_is_in_an_owner_only_file_not_the_command(tmp_path):
+    conf = write_redis_config(tmp_path / "redis.conf", "pw123")
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    assert conf.read_text() == "requirepass pw123\n"
+    argv = redis_server_argv("127.0.0.1", 7000, config=conf)
+    assert argv[1] == str(conf) and "pw123" not in " ".join(argv)
+    assert argv[argv.index("--protected-mode") + 1] == "yes"
+    assert argv[argv.index("--bind") + 1] == "127.0.0.1"
+    assert redis_server_argv("127.0.0.1", 7000)[1] == "--port"  # the shared test fixture's form
+    (tmp_path / "wide").write_text("old")
+    (tmp_path / "wide").chmod(0o644)
+    assert stat.S_IMODE(write_private(tmp_path / "wide", "new").stat().st_mode) == 0o600
+
+
+def test_mask_url_hides_the_password_only():
+    assert mask_url("redis://:pw@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert mask_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_restart_budget_backs_off_exponentially_and_gives_up_within_the_window():
+    budget = RestartBudget(RestartSettings(max=5, window_s=600, backoff_s=1, max_backoff_s=30))
+    delays = []
+    for t in range(5):
+        delays.append(budget.delay(t * 10.0))
+        budget.record(t * 10.0)
+    assert delays == [1, 2, 4, 8, 16]
+    assert budget.delay(50.0) is None  # a sixth death within 10 minutes: left down
+    assert budget.delay(601.0) == 16  # the first restart left the window
+    capped = RestartBudget(RestartSettings(max=10, backoff_s=1, max_backoff_s=30), history=[0.0] * 6)
+    assert capped.delay(1.0) == 30
+
+
+def _cluster(tmp_path: Path, **restarts) -> LocalCluster:
+    cfg = ClusterConfig(restarts=RestartSettings(**restarts))
+    cluster = LocalCluster(cfg, log_dir=tmp_path, quiet=True)
+    cluster.secret = "the-secret"
+    return cluster
+
+
+def _wait_exit(child) -> None:
+    child.proc.wait(10)
+
+
+def test_watcher_restarts_a_dead_unit_with_its_command_and_env_then_leaves_it_down(tmp_path):
+    cluster = _cluster(tmp_path, max=2, window_s=600, backoff_s=1, max_backoff_s=30)
+    script = "import os, sys; print(os.environ['KVFERRY_CLUSTER_SECRET']); sys.exit(3)"
+    child = cluster._spawn("decode-0", [sys.executable, "-c", script], {"X": "1"})
+    child.supervised = True
+    _wait_exit(child)
+    cluster.tend(100.0)
+    assert child.state == "waiting" and child.restart_at == 101.0
+    cluster.tend(100.5)  # still backing off
+    assert child.state == "waiting"
+    first = child.proc.pid
+    cluster.tend(101.0)
+    assert child.state == "running" and child.proc.pid != first
+    _wait_exit(child)
+    cluster.tend(102.0)
+    assert child.restart_at == 104.0  # doubled
+    cluster.tend(104.0)
+    _wait_exit(child)
+    cluster.tend(105.0)  # a third death within the window, past max=2
+    assert child.state == "failed"
+    assert "left down" in cluster.events[-1] and "decode-0" in cluster.events[-1]
+    assert cluster.want()[1] == 0  # no longer waited for
+    assert child.log.read_text().count("the-secret") == 3  # every run got the secret in its env
+
+
+def test_retired_units_and_a_stopping_cluster_restart_nothing(tmp_path):
+    cluster = _cluster(tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    retired = cluster._spawn("decode-0", sleeper)
+    retired.supervised = True
+    cluster.groups["decode"].append(retired)
+    cluster.retire([retired])
+    cluster.tend(0.0)
+    assert retired not in cluster.children and retired.state == "retiring"
+    dead = cluster._spawn("pool-0", [sys.executable, "-c", "pass"])
+    dead.supervised = True
+    _wait_exit(dead)
+    cluster._stopping.set()
+    cluster.tend(100.0)
+    assert dead.state == "running" and not cluster.events  # seen as dead by nobody: stopping
+
+
+def test_children_get_the_secret_and_router_keys_in_env_only(tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-the-user")  # the launcher's own: not handed to workers
+    cluster = _cluster(tmp_path)
+    dump = [sys.executable, "-c", "import os; print(sorted(k for k in os.environ if k.startswith('KVF')))"]
+    child = cluster._spawn("decode-0", dump)
+    _wait_exit(child)
+    assert "KVFERRY_CLUSTER_SECRET" in child.log.read_text() and API_KEY_ENV not in child.log.read_text()
+    assert child.env[SECRET_ENV] == "the-secret" and "the-secret" not in child.argv
+
+
+def test_up_refuses_an_empty_or_missing_cluster_secret_file_before_starting_anything(tmp_path, capsys):
+    from kvferry.cli import main
+
+    (tmp_path / "empty").write_text("\n")
+    assert main(["up", "--cluster-secret-file", str(tmp_path / "empty")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert main(["up", "--cluster-secret-file", str(tmp_path / "missing")]) == 2
+    assert "--cluster-secret-file" in capsys.readouterr().err
