@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", default="default")
     p.add_argument("--layout", required=True, help="num_layers,num_kv_heads,block_size,head_dim,dtype")
+    p.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=PoolNodeConfig.transfer_timeout_s,
+        help="the longest wait on a peer's transfer (a client that died or hangs)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pool %(levelname)s %(message)s")
     layout = BlockLayout.from_list(args.layout.split(","))
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         redis_url=args.redis_url,
         namespace=args.namespace,
+        transfer_timeout_s=args.transfer_timeout_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,13 +4,20 @@ One `PoolClient` per process. It finds nodes in the Redis registry (caching what
 Redis outage does not lose the addresses of nodes it already talks to), connects a pair group to each
 node the first time it needs it, and runs at most one transfer at a time per node (transfers on one
 pair group are ordered by a lock and told apart by tags).
+
+No caller waits on a node longer than `transfer_timeout_s` (connecting, the pair group's sends and
+receives, the RPCs, the wait for its turn): a node that died or hangs turns a get into a miss (the
+caller recomputes) and a put into blocks not stored, and the pair group is dropped, to be made again
+on the next use (a node that refused a connection is not tried again for `RETRY_S`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -40,6 +47,8 @@ from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 2.0  # after a failed connect, a node is not tried again for this long
+
 
 class PoolError(RuntimeError):
     """A pool node could not be reached or refused a transfer."""
@@ -63,6 +72,7 @@ class _Node:
     # so a caller can issue the next transfer's RPC while earlier ones are still on the wire
     jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     worker: threading.Thread | None = None
+    down_until: float = 0.0  # a connect failed: fail fast until then
 
 
 def to_proto(loc: Location) -> pool_pb2.BlockLocation:
@@ -81,14 +91,14 @@ class PoolClient:
         peer_id: str = "",
         host: str = "127.0.0.1",
         device: str = "cpu",
-        timeout_s: float = 60.0,
+        transfer_timeout_s: float = 10.0,
     ):
         self.meta = meta
         self.layout = layout
         self.peer_id = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.host = host
         self.device = torch.device(device)
-        self.timeout_s = timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
         self.nodes: dict[str, _Node] = {}
         self._known: dict[str, dict] = {}  # node id -> last registry record seen
         self._known_at = -1e9
@@ -142,28 +152,65 @@ class PoolClient:
             node = self.nodes.setdefault(node_id, node)
         return node
 
+    @contextlib.contextmanager
+    def _locked(self, node: _Node):
+        """Hold `node.lock`, waiting no longer than the transfer timeout (another caller may be stuck
+        connecting to a node that hangs)."""
+        if not node.lock.acquire(timeout=self.transfer_timeout_s):
+            raise PoolError(f"pool node {node.node_id} is busy past {self.transfer_timeout_s}s (hung?)")
+        try:
+            yield
+        finally:
+            node.lock.release()
+
     def _connect(self, node: _Node) -> dist.ProcessGroup:
         """The pair group with `node` (caller holds node.lock); made on first use."""
         if node.group is not None:
             return node.group
+        if time.monotonic() < node.down_until:
+            raise PoolError(f"pool node {node.node_id} refused a connection less than {RETRY_S}s ago")
         backend = "nccl" if self.device.type == "cuda" and node.device == "cuda" else "gloo"
         name = f"{self.peer_id}/{uuid.uuid4().hex[:8]}"
+        timeout = self.transfer_timeout_s
+        deadline = time.monotonic() + timeout
         reply = None
         try:
             host, port = node.store_addr.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(self.timeout_s))
+            # a dead node refuses at once, but TCPStore would retry until its timeout (and past it)
+            socket.create_connection((host, int(port)), timeout=min(timeout, 2.0)).close()
+            joined = self._join(host, int(port), name, backend)
             reply = node.stub.Connect.future(
                 pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
-                timeout=self.timeout_s,
+                timeout=timeout,
             )
-            group = make_pair_group(store, name, 1, backend, self.host, self.timeout_s)
-            reply.result()
+            group = joined.result(timeout=max(0.0, deadline - time.monotonic()))
+            reply.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # store unreachable, peer never joined, RPC failed: the node is down
             if reply is not None:
                 reply.cancel()
+            node.down_until = time.monotonic() + RETRY_S
+            if isinstance(err, concurrent.futures.TimeoutError):
+                err = TimeoutError(f"no pair group after {timeout}s")
             raise PoolError(f"cannot connect to pool node {node.node_id}: {err}") from err
         node.group, node.group_name, node.next_tag = group, name, 1
         return group
+
+    def _join(self, host: str, port: int, name: str, backend: str) -> concurrent.futures.Future:
+        """Join pair group `name` through the node's store, on a thread of its own: a TCPStore client
+        whose server hangs (accepts, never answers) waits past any timeout, so the caller waits on the
+        future (bounded) and a join that finishes after the caller gave up is dropped."""
+        joined: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            timeout = self.transfer_timeout_s
+            try:
+                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout))
+                joined.set_result(make_pair_group(store, name, 1, backend, self.host, timeout))
+            except Exception as err:
+                joined.set_exception(err)
+
+        threading.Thread(target=run, name=f"kv-join-{name}", daemon=True).start()
+        return joined
 
     def _fail(self, node: _Node, err: Exception, what: str, group=None) -> PoolError:
         """Forget the pair group a transfer failed on (caller holds node.lock), unless it was already
@@ -216,7 +263,7 @@ class PoolClient:
             data(first, count, out)
             return out
 
-        with node.lock:
+        with self._locked(node):
             group = self._connect(node)
             tag = self._tags(node, len(plan))
             if isinstance(data, torch.Tensor):
@@ -231,8 +278,8 @@ class PoolClient:
                 head_end=head_end,
                 chunk_blocks=chunk_blocks,
             )
-            reply = node.stub.Put.future(request, timeout=self.timeout_s)
-            sent = self._submit(node, lambda: send_stream(group, 0, tag + 1, plan, chunk))
+            reply = node.stub.Put.future(request, timeout=self.transfer_timeout_s)
+            sent = self._submit(node, group, lambda: send_stream(group, 0, tag + 1, plan, chunk))
 
         def after_send(job) -> None:
             err = job.exception()
@@ -256,10 +303,17 @@ class PoolClient:
         sent.add_done_callback(after_send)
         return done
 
-    def _submit(self, node: _Node, job: Callable[[], object]) -> concurrent.futures.Future:
-        """Queue a transfer on the node's data-plane thread (caller holds node.lock)."""
+    def _submit(self, node: _Node, group, job: Callable[[], object]) -> concurrent.futures.Future:
+        """Queue a transfer on `group` on the node's data-plane thread (caller holds node.lock). A
+        transfer whose pair group was dropped before its turn fails at once: its tags are gone."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        node.jobs.put((job, future))
+
+        def run() -> object:
+            if node.group is not group:
+                raise PoolError(f"the pair group with pool node {node.node_id} was dropped")
+            return job()
+
+        node.jobs.put((run, future))
         if node.worker is None:
             node.worker = threading.Thread(
                 target=_run_jobs, args=(node.jobs,), name=f"kv-{node.node_id}", daemon=True
@@ -342,7 +396,10 @@ class PoolClient:
     def _get_run(self, request_id, run, head_begin, head_end, offset, consume) -> int:
         node = self._node(run[0].node_id)
         chunk_blocks = self._chunk_blocks(head_begin, head_end)
-        with node.lock:
+        # a receive that outlives the caller's wait must not land data in blocks the caller has given up
+        landing = threading.Lock()
+        abandoned = False
+        with self._locked(node):
             group = self._connect(node)
             tag = self._tags(node, len(chunk_plan(len(run), chunk_blocks)))
             request = pool_pb2.GetRequest(
@@ -355,7 +412,7 @@ class PoolClient:
                 head_end=head_end,
                 chunk_blocks=chunk_blocks,
             )
-            reply = node.stub.Get.future(request, timeout=self.timeout_s)
+            reply = node.stub.Get.future(request, timeout=self.transfer_timeout_s)
 
             def receive() -> int:
                 header = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -366,17 +423,24 @@ class PoolClient:
                     return node.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
 
                 def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
-                    consume(offset + first, data)
+                    with landing:
+                        if abandoned:
+                            raise PoolError("the caller stopped waiting")
+                        consume(offset + first, data)
 
                 recv_stream(group, 0, tag + 1, chunk_plan(n, chunk_blocks), dest, land)
                 return n
 
-            received = self._submit(node, receive)
+            received = self._submit(node, group, receive)
         try:
-            n = received.result()
-        except Exception as err:
+            n = received.result(timeout=self.transfer_timeout_s)
+        except Exception as err:  # the transfer failed, or timed out (the node died or hangs)
+            with landing:
+                abandoned = True
             reply.cancel()
-            with node.lock:
+            if isinstance(err, concurrent.futures.TimeoutError):
+                err = TimeoutError(f"no data after {self.transfer_timeout_s}s")
+            with self._locked(node):
                 raise self._fail(node, err, f"get of {len(run)} blocks", group) from err
         # the data is here; the reply only confirms it, so nobody waits for it
         reply.add_done_callback(
@@ -395,7 +459,7 @@ class PoolClient:
             try:
                 node = self._node(node_id)
                 released += node.stub.Release(
-                    pool_pb2.ReleaseRequest(request_id=request_id), timeout=5
+                    pool_pb2.ReleaseRequest(request_id=request_id), timeout=min(5.0, self.transfer_timeout_s)
                 ).released
             except (grpc.RpcError, PoolError) as err:
                 log.warning("release of %s on %s failed: %s", request_id, node_id, err)

@@ -6,6 +6,13 @@ Layout (every key under `kvf:{namespace}:`):
   evicted slot (compare-and-delete, so a newer copy elsewhere is never dropped).
 - `n:{role}:{id}` -> JSON {addr, ...}, refreshed by its owner's heartbeat with a TTL: a node or worker
   that stops beating disappears from the registry.
+- `m:{role}` -> SET of the ids of that role, added to by every heartbeat (with the record, in one
+  transaction). Reading a role is SMEMBERS + MGET of those records, never a SCAN of the keyspace (which
+  holds every block key); an id whose record expired is removed from the set by the reader.
+
+A block entry is trusted only while its node is live in the registry: lookups treat an entry on a node
+whose record lapsed (the node died) as a miss and delete it (compare-and-delete), so a dead node's
+blocks stop being hits within one heartbeat TTL.
 
 Redis is a cache of facts the pool nodes can re-check: losing it (restart, outage) turns lookups into
 misses and skips publishing, never into wrong data, because a node serves a block only when the slot
@@ -33,6 +40,18 @@ end
 return n
 """
 
+# drop the ids in ARGV from the role's set (KEYS[1]) whose record (KEYS[i + 1]) is still missing: a
+# heartbeat that re-registered meanwhile keeps its id
+_FORGET_EXPIRED = """
+local n = 0
+for i, member in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then n = n + redis.call('SREM', KEYS[1], member) end
+end
+return n
+"""
+
+POOL_ROLE = "pool"  # the registry role of the pool nodes
+
 
 @dataclass(frozen=True)
 class Location:
@@ -43,13 +62,24 @@ class Location:
 
 
 class MetadataStore:
-    def __init__(self, url: str, namespace: str = "default", socket_timeout: float = 2.0):
+    """`live_cache_s`: how long lookups reuse the set of live pool nodes (well under the heartbeat TTL);
+    a location on a node missing from it is re-checked against a fresh registry read."""
+
+    def __init__(
+        self, url: str, namespace: str = "default", socket_timeout: float = 2.0, live_cache_s: float = 0.5
+    ):
         self.url = url
         self.prefix = f"kvf:{namespace}:"
         self.client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self._down_since: float | None = None
+        self.live_cache_s = live_cache_s
+        self._live: tuple[float, frozenset[str]] | None = None  # (read at, live pool node ids)
+        self._malformed: set[str] = set()  # registry records already logged as unreadable
+        # registrations that found no record of the member (its first, or one after its record lapsed
+        # or Redis lost it): readers may have dropped its block entries meanwhile
+        self.fresh_registrations = 0
 
     # -- health bookkeeping ---------------------------------------------------------------------------
     def _ok(self) -> None:
@@ -105,7 +135,8 @@ class MetadataStore:
         self._ok()
 
     def lookup(self, keys: Sequence[bytes]) -> list[Location | None]:
-        """Location of each key (None when unknown); all None while Redis is unreachable."""
+        """Location of each key (None when unknown, or on a pool node that is not live); all None while
+        Redis is unreachable. Entries on a node whose registry record lapsed are deleted."""
         if not keys:
             return []
         try:
@@ -116,12 +147,30 @@ class MetadataStore:
         self._ok()
         out: list[Location | None] = []
         for key, value in zip(keys, values, strict=True):
-            if value is None:
-                out.append(None)
-                continue
-            node, slot, gen = value.decode().split(" ")
-            out.append(Location(key, node, int(slot), int(gen)))
-        return out
+            out.append(None if value is None else _parse_location(key, value))
+        return self._drop_dead(out)
+
+    def _drop_dead(self, found: list[Location | None]) -> list[Location | None]:
+        """`found` without the locations on pool nodes that are not live. The live set is reused for
+        `live_cache_s`; a node missing from it is re-checked by a registry read made after the MGET, and
+        only that read's verdict deletes entries (a node that registered, then published, after an older
+        read is never mistaken for a dead one)."""
+        nodes = {loc.node_id for loc in found if loc is not None}
+        if not nodes:
+            return found
+        cached, now = self._live, time.monotonic()
+        live = cached[1] if cached is not None and now - cached[0] < self.live_cache_s else None
+        if live is None or not nodes <= live:
+            members = self.members(POOL_ROLE)
+            if members is not None:
+                live = frozenset(members)
+                self._live = (now, live)
+                self.unpublish([loc for loc in found if loc is not None and loc.node_id not in live])
+            elif cached is not None:  # the registry cannot be read: filter by what it said last
+                live = cached[1]
+            else:
+                return found
+        return [loc if loc is not None and loc.node_id in live else None for loc in found]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Location]:
         """Locations of the leading keys of a chain that the pool holds (stops at the first miss)."""
@@ -133,34 +182,81 @@ class MetadataStore:
         return found
 
     # -- registry -------------------------------------------------------------------------------------
+    def _nkey(self, role: str, member_id: str) -> str:
+        return f"{self.prefix}n:{role}:{member_id}"
+
+    def _mkey(self, role: str) -> str:
+        return f"{self.prefix}m:{role}"
+
     def register(self, role: str, member_id: str, info: dict, ttl_s: float) -> bool:
         try:
-            self.client.set(f"{self.prefix}n:{role}:{member_id}", json.dumps(info), px=int(ttl_s * 1000))
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(self._nkey(role, member_id), json.dumps(info), px=int(ttl_s * 1000), get=True)
+                pipe.sadd(self._mkey(role), member_id)
+                previous, _ = pipe.execute()
         except redis.RedisError as err:
             self._failed(err)
             return False
         self._ok()
+        if previous is None:
+            self.fresh_registrations += 1
         return True
 
     def unregister(self, role: str, member_id: str) -> None:
         try:
-            self.client.delete(f"{self.prefix}n:{role}:{member_id}")
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(self._nkey(role, member_id))
+                pipe.srem(self._mkey(role), member_id)
+                pipe.execute()
         except redis.RedisError as err:
             self._failed(err)
+            return
+        self._ok()
 
     def members(self, role: str) -> dict[str, dict] | None:
-        """id -> info of the live members of a role; None when Redis cannot be read."""
-        pattern = f"{self.prefix}n:{role}:*"
+        """id -> info of the live members of a role; None when Redis cannot be read.
+
+        A record that is not a JSON object is left out (logged once per member)."""
         try:
-            names = list(self.client.scan_iter(match=pattern, count=1000))
-            values = self.client.mget(names) if names else []
+            ids = sorted(m.decode() for m in self.client.smembers(self._mkey(role)))
+            values = self.client.mget([self._nkey(role, i) for i in ids]) if ids else []
+            expired = [i for i, value in zip(ids, values, strict=True) if value is None]
+            if expired:  # lazily: the record's TTL ran out, the set still names it
+                keys = [self._mkey(role), *(self._nkey(role, i) for i in expired)]
+                self.client.eval(_FORGET_EXPIRED, len(keys), *keys, *expired)
         except redis.RedisError as err:
             self._failed(err)
             return None
         self._ok()
-        start = len(pattern) - 1
-        return {
-            name.decode()[start:]: json.loads(value)
-            for name, value in zip(names, values, strict=True)
-            if value is not None
-        }
+        out = {}
+        for member_id, value in zip(ids, values, strict=True):
+            if value is None:
+                continue
+            record = self._record(role, member_id, value)
+            if record is not None:
+                out[member_id] = record
+        return out
+
+    def _record(self, role: str, member_id: str, value: bytes) -> dict | None:
+        name = f"{role}:{member_id}"
+        try:
+            record = json.loads(value)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if name not in self._malformed:
+                self._malformed.add(name)
+                log.warning("registry record of %s %s is not a JSON object: %.200r", role, member_id, value)
+            return None
+        self._malformed.discard(name)
+        return record
+
+
+def _parse_location(key: bytes, value: bytes) -> Location | None:
+    """A block entry "node slot generation"; None (a miss) for anything else."""
+    try:
+        node, slot, gen = value.decode().split(" ")
+        return Location(key, node, int(slot), int(gen))
+    except ValueError:
+        log.warning("malformed block entry %s: %.100r", key.hex(), value)
+        return None

@@ -9,7 +9,10 @@ holds what, and every rule about slot states, generations, leases, eviction and 
   every KV-head slice of its blocks is in (the other TP ranks' puts), waiting on a Condition; a get
   leases its slots for the transfer. Publishing and unpublishing in Redis happen on a background
   thread (`_publisher`), in order; the heartbeat also runs the expiry sweep and republishes every
-  complete block when Redis comes back empty.
+  complete block when Redis comes back empty, or when the node's own registry record had lapsed
+  (readers drop the entries of a node missing from the registry).
+- `transfer_timeout_s` bounds every wait on a peer (its pair group's sends and receives, the wait for
+  a transfer's turn): a client that died or hangs costs a handler thread that long at most.
 The command line (`python -m kvferry.kvpool`) is in `__main__.py`.
 """
 
@@ -28,7 +31,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from kvferry.kvpool.metadata import Location, MetadataStore
+from kvferry.kvpool.metadata import POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.slots import SlotTable
 from kvferry.kvpool.transfer import (
     BlockLayout,
@@ -46,7 +49,7 @@ from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-NODE_ROLE = "pool"
+NODE_ROLE = POOL_ROLE
 
 
 @dataclass
@@ -106,7 +109,7 @@ class PoolNodeConfig:
     ttl_s: float = 5.0
     private_ttl_s: float = 120.0
     assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
-    transfer_timeout_s: float = 60.0
+    transfer_timeout_s: float = 10.0
 
 
 def _proto(loc: Location) -> pool_pb2.BlockLocation:
@@ -133,6 +136,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True, wait_for_workers=False)
         self._redis_id: str | None = None
+        self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
 
@@ -323,16 +327,23 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         peer.close()
 
     def check_redis(self) -> None:
-        """Republish every complete block when Redis comes back empty (restarted, or a new server)."""
+        """Republish every complete block when Redis comes back empty (restarted, or a new server), or
+        when this node's registry record had lapsed (a reader then drops its entries as a dead node's)."""
         server = self.meta.server_id()
-        if server is None or server == self._redis_id:
+        if server is None:
             return
-        if self._redis_id is not None:
+        fresh, self._registrations = self._registrations, self.meta.fresh_registrations
+        if self._redis_id is None:  # the first check: the node's first registration, nothing to redo
+            self._redis_id = server
+            return
+        restarted, lapsed = server != self._redis_id, fresh < self._registrations
+        self._redis_id = server
+        if restarted or lapsed:
             with self.lock:
                 held = self.table.published_locations()
-            log.warning("redis restarted (run id %s): republishing %d blocks", server, len(held))
+            why = f"redis restarted (run id {server})" if restarted else "the registry record had lapsed"
+            log.warning("%s: republishing %d blocks", why, len(held))
             self.outbox.put(("publish", held))
-        self._redis_id = server
 
     def expire_private(self) -> None:
         """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came."""

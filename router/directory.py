@@ -2,10 +2,13 @@
 
 Refreshed every `refresh_s`. A member whose registry record is gone for longer than `grace_s` (its
 heartbeat TTL ran out: the process died or hangs) is dropped; a Redis outage keeps the last known set
-(an outage must not stop serving). A worker whose record says it is draining gets no new requests
-(it finishes the ones it has, then leaves). A worker that fails an RPC with UNAVAILABLE is skipped until it
-beats again. Every worker must agree on the model fingerprint, block size and max length; one that
-does not is refused (logged), never routed to.
+(an outage must not stop serving), and the grace restarts when Redis is readable again (records come
+back only with the next heartbeats, and a restarted Redis starts empty). A dropped member's channel
+is closed once its last call ends, never under a stream in flight. A malformed registry record is
+skipped (logged once per member), never a failed refresh. A worker whose record says it is draining
+gets no new requests (it finishes the ones it has, then leaves). A worker that fails an RPC with
+UNAVAILABLE is skipped until it beats again. Every worker must agree on the model fingerprint, block
+size and max length; one that does not is refused (logged), never routed to.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ class Member:
     suspect_until: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Record:
+    """The fields of a worker's registry record that routing uses, checked."""
+
+    addr: str
+    group: str
+    free_blocks: int
+    draining: bool
+
+
 @dataclass
 class PoolNode:
     addr: str
@@ -64,6 +77,10 @@ class Directory:
         self.model: worker_pb2.WorkerInfo | None = None
         self._rr = {role: itertools.count() for role in ROLES}
         self._task: asyncio.Task | None = None
+        # per role (and "pool"): since when the registry has been readable, None while it is not
+        self._readable_since: dict[str, float | None] = {}
+        self._retired: list[Member] = []  # dropped while calls were in flight: closed when they end
+        self._malformed: set[str] = set()  # "role:id" of records already logged as unusable
 
     async def start(self) -> None:
         await self.refresh()
@@ -75,6 +92,9 @@ class Directory:
         for role in ROLES:
             for m in self.members[role].values():
                 await m.channel.close()
+        for m in self._retired:
+            await m.channel.close()
+        self._retired = []
 
     async def _run(self) -> None:
         while True:
@@ -85,35 +105,94 @@ class Directory:
                 log.exception("registry refresh failed")
 
     async def refresh(self) -> None:
-        now = time.monotonic()
         for role in ROLES:
-            records = await asyncio.to_thread(self.meta.members, role)
+            records = await self._read(role)
             if records is None:
                 continue  # Redis unreachable: keep what we know
             current = self.members[role]
-            for member_id, record in records.items():
+            now = time.monotonic()
+            for member_id, raw in records.items():
+                record = self._parse(role, member_id, raw)
+                if record is None:
+                    continue
                 member = current.get(member_id)
-                if member is None or member.addr != record["addr"]:
-                    member = await self._add(role, member_id, record["addr"])
+                if member is None or member.addr != record.addr:
+                    member = await self._add(role, member_id, record.addr)
                     if member is None:
                         continue
                 member.last_seen = now
-                member.group = record.get("group") or member_id
-                member.free_blocks = int(record.get("free_blocks", 0))
-                member.draining = bool(record.get("draining", False))
-                member.beat = record
+                member.group = record.group or member_id
+                member.free_blocks = record.free_blocks
+                member.draining = record.draining
+                member.beat = raw
             for member_id, member in list(current.items()):
-                if now - member.last_seen > self.grace_s:
+                if self._lapsed(role, member.last_seen, now):
                     log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
                     del current[member_id]
-                    await member.channel.close()
-        nodes = await asyncio.to_thread(self.meta.members, "pool")
+                    await self._retire(member)
+        await self._close_idle()
+        nodes = await self._read("pool")
         if nodes is not None:
+            now = time.monotonic()
             for node_id, info in nodes.items():
-                self.pool_nodes[node_id] = PoolNode(info["addr"], now, info)
+                addr = info.get("addr")
+                if isinstance(addr, str) and addr:
+                    self.pool_nodes[node_id] = PoolNode(addr, now, info)
+                else:
+                    self._malformed_once("pool", node_id, info, "no addr")
             for node_id, node in list(self.pool_nodes.items()):
-                if now - node.last_seen > self.grace_s:
+                if self._lapsed("pool", node.last_seen, now):
                     del self.pool_nodes[node_id]
+
+    async def _read(self, role: str) -> dict[str, dict] | None:
+        """The role's registry records; None while Redis cannot be read (then the grace of every member
+        restarts at the next successful read)."""
+        records = await asyncio.to_thread(self.meta.members, role)
+        if records is None:
+            self._readable_since[role] = None
+        elif self._readable_since.get(role) is None:
+            self._readable_since[role] = time.monotonic()
+        return records
+
+    def _lapsed(self, role: str, last_seen: float, now: float) -> bool:
+        """No record for `grace_s`, counted only over time the registry was readable: after an outage
+        the members get a whole grace to beat again."""
+        since = self._readable_since.get(role) or now
+        return now - max(last_seen, since) > self.grace_s
+
+    def _parse(self, role: str, member_id: str, raw: dict) -> _Record | None:
+        try:
+            addr = raw["addr"]
+            if not isinstance(addr, str) or not addr:
+                raise ValueError(f"addr {addr!r}")
+            group = raw.get("group") or ""
+            if not isinstance(group, str):
+                raise ValueError(f"group {group!r}")
+            record = _Record(addr, group, int(raw.get("free_blocks") or 0), bool(raw.get("draining", False)))
+        except (KeyError, TypeError, ValueError) as err:
+            self._malformed_once(role, member_id, raw, f"{type(err).__name__}: {err}")
+            return None
+        self._malformed.discard(f"{role}:{member_id}")
+        return record
+
+    def _malformed_once(self, role: str, member_id: str, raw: object, why: str) -> None:
+        name = f"{role}:{member_id}"
+        if name not in self._malformed:
+            self._malformed.add(name)
+            log.warning("skipping malformed registry record of %s %s (%s): %.200r", role, member_id, why, raw)
+
+    async def _retire(self, member: Member) -> None:
+        """Close a member's channel, or once its calls in flight end (it gets no new ones)."""
+        if member.inflight > 0:
+            self._retired.append(member)
+        else:
+            await member.channel.close()
+
+    async def _close_idle(self) -> None:
+        idle = [m for m in self._retired if m.inflight <= 0]
+        self._retired = [m for m in self._retired if m.inflight > 0]
+        for member in idle:
+            await member.channel.close()
 
     async def _add(self, role: str, member_id: str, addr: str) -> Member | None:
         channel = aio_channel(addr)
@@ -153,7 +232,7 @@ class Directory:
         member = Member(role, member_id, addr, channel, stub, info)
         old = self.members[role].pop(member_id, None)
         if old is not None:
-            await old.channel.close()
+            await self._retire(old)
         self.members[role][member_id] = member
         log.info("%s worker %s joined at %s", role, member_id, addr)
         return member
