@@ -40,7 +40,6 @@ from kvferry.deploy.config import ClusterConfig, cluster_layout
 from kvferry.deploy.readiness import reachable, wait_until_ready
 from kvferry.deploy.redis_server import (
     LaunchError,
-    mask_url,
     new_password,
     redis_server_argv,
     wait_for_redis,
@@ -49,6 +48,7 @@ from kvferry.deploy.redis_server import (
 )
 from kvferry.deploy.restarts import RestartBudget
 from kvferry.engine.args import engine_flags
+from kvferry.kvpool.metadata import mask_url
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model

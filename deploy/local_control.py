@@ -12,7 +12,7 @@ import time
 import uuid
 
 from kvferry.deploy.local import LocalCluster
-from kvferry.deploy.redis_server import mask_url
+from kvferry.kvpool.metadata import mask_url
 
 
 def _scale_key(namespace: str) -> str:

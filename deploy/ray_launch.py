@@ -59,7 +59,8 @@ from ray.util.scheduling_strategies import (
 
 from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
 from kvferry.deploy import scaling
-from kvferry.deploy.redis_server import mask_url, new_password, redis_url, write_private
+from kvferry.deploy.redis_server import new_password, redis_url, write_private
+from kvferry.kvpool.metadata import mask_url
 from kvferry.proc import STOP_ORDER, die_with_parent
 from kvferry.settings import API_KEY_ENV
 

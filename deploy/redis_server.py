@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 import time
@@ -58,11 +57,6 @@ def write_redis_config(path: Path, password: str) -> Path:
 def redis_url(host: str, port: int, password: str | None = None) -> str:
     auth = f":{password}@" if password else ""
     return f"redis://{auth}{host}:{port}/0"
-
-
-def mask_url(url: str) -> str:
-    """`url` with its password (if any) replaced by ***, for logs and status lines."""
-    return re.sub(r"^(\w+://[^:@/]*:)[^@/]+@", r"\1***@", url)
 
 
 def wait_for_redis(host: str, port: int, deadline: float, check=None, password: str | None = None) -> str:

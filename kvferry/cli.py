@@ -367,7 +367,7 @@ def _cmd_up(args) -> int:
     from kvferry.deploy.config import ClusterConfigError, load_cluster_config
     from kvferry.deploy.local import LaunchError, LocalCluster
     from kvferry.deploy.local_control import run_until_signal
-    from kvferry.deploy.redis_server import mask_url
+    from kvferry.kvpool.metadata import mask_url
     from kvferry.settings import load_settings
 
     secret = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ class Location:
     generation: int
 
 
+def mask_url(url: str) -> str:
+    """`url` with its password (if any) replaced by ***, for logs and status lines."""
+    return re.sub(r"^(\w+://[^:@/]*:)[^@/]+@", r"\1***@", url)
+
+
 class MetadataStore:
     """`live_cache_s`: how long lookups reuse the set of live pool nodes (well under the heartbeat TTL);
     a location on a node missing from it is re-checked against a fresh registry read."""
@@ -85,14 +91,16 @@ class MetadataStore:
     def _ok(self) -> None:
         if self._down_since is not None:
             log.warning(
-                "redis %s is reachable again after %.1fs", self.url, time.monotonic() - self._down_since
+                "redis %s is reachable again after %.1fs",
+                mask_url(self.url),
+                time.monotonic() - self._down_since,
             )
             self._down_since = None
 
     def _failed(self, err: Exception) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.warning("redis %s unreachable (%s): treating lookups as misses", self.url, err)
+            log.warning("redis %s unreachable (%s): treating lookups as misses", mask_url(self.url), err)
 
     def server_id(self) -> str | None:
         """The Redis server's run id (changes when it restarts); None while unreachable."""

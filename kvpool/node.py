@@ -37,6 +37,7 @@ from kvferry.kvpool.transfer import (
     BlockLayout,
     Staging,
     chunk_plan,
+    host_store,
     make_pair_group,
     next_tag,
     recv_stream,
@@ -134,7 +135,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.assembled = threading.Condition(self.lock)  # a block got its last KV-head slice, or was freed
         self.peers: dict[str, Peer] = {}
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
-        self.store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True, wait_for_workers=False)
+        self.store = host_store(cfg.host, cfg.store_port, None)  # listening on the node's host only
         self._redis_id: str | None = None
         self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher

@@ -12,6 +12,7 @@ model dtype. A transfer carries n blocks of a KV-head slice: [n, L, 2, heads, bl
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -206,3 +207,20 @@ class Staging:
         if self.bufs[which].numel() < numel:
             self.bufs[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.bufs[which][:numel].view(shape)
+
+
+def host_store(host: str, port: int, size: int | None) -> dist.TCPStore:
+    """Rank 0's TCPStore on host:port (0: any free port), listening on `host` only: torch's own
+    listener would bind every interface, so the store gets a socket bound here instead."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(host, bound, size, is_master=True, wait_for_workers=False, master_listen_fd=fd)

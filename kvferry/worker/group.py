@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvferry.engine.engine import EngineConfig
+from kvferry.kvpool.transfer import host_store
 from kvferry.model.parallel import Comm, init_group
 from kvferry.proc import die_with_parent, terminate
 
@@ -83,23 +83,6 @@ def form_group(
     log.info("joining group %s as rank %d of %d", group_id, rank, size)
     comm = init_group(store, group_id, rank, size, device, args.host)
     return Group(group_id, rank, size, comm, children, store), cfg
-
-
-def host_store(host: str, port: int, size: int) -> dist.TCPStore:
-    """Rank 0's TCPStore on host:port (0: any free port), listening on `host` only: torch's own
-    listener would bind every interface, so the store gets a socket bound here instead."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-        bound = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(host, bound, size, is_master=True, wait_for_workers=False, master_listen_fd=fd)
 
 
 def group_min(comm: Comm, value: int) -> int:

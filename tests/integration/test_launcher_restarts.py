@@ -146,11 +146,6 @@ def listening(pids: dict[int, str]) -> set[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvpool/node.py: the pool node's TCPStore is torch's, which listens on every interface "
-    "(kvferry.worker.group.host_store binds the worker groups' to the host; the pool node needs the same)",
-)
 def test_only_the_router_listens_outside_the_cluster_host(launched):
     """Workers, pool nodes (gRPC and their TCPStores) and redis listen on the cluster host; the router
     (gRPC and HTTP) on its own host. No process listens on a wildcard address."""

@@ -19,8 +19,9 @@ from kvferry.deploy.config import (
     cluster_config_to_dict,
 )
 from kvferry.deploy.local import LocalCluster, router_argv, worker_argv
-from kvferry.deploy.redis_server import mask_url, redis_server_argv, write_private, write_redis_config
+from kvferry.deploy.redis_server import redis_server_argv, write_private, write_redis_config
 from kvferry.deploy.restarts import RestartBudget
+from kvferry.kvpool.metadata import mask_url
 from kvferry.settings import API_KEY_ENV
 
 
