@@ -57,6 +57,7 @@ class Slot:
     leases: int = 0
     request_id: str = ""  # owner of a private block
     expires: float = 0.0
+    released: bool = False  # its request was released while it was in use: freed once nobody uses it
 
 
 class BlockRef(Protocol):
@@ -203,6 +204,7 @@ class SlotTable:
                 self.lru[slot.index] = None  # evictable only once nobody writes or reads it
             if slot.state == SlotState.WRITING and slot.writers == 0:
                 self._set_expiry(slot, now + self.assemble_timeout_s)  # for the other slices
+            self._release_if_done(slot)
         self.counters["blocks_in"] += len(plan.rows)
         return publish + plan.republish, assembled
 
@@ -287,6 +289,8 @@ class SlotTable:
                 if whole and slot.leases == 0 and slot.writers == 0:
                     self._release(slot)
                     released += 1
+                else:
+                    released += self._release_if_done(slot)
             elif slot.state == SlotState.PUBLISHED and slot.leases == 0 and slot.writers == 0:
                 self.lru[slot.index] = None
                 self.lru.move_to_end(slot.index)
@@ -295,14 +299,26 @@ class SlotTable:
 
     # -- housekeeping --------------------------------------------------------------------------------
     def release(self, request_id: str) -> int:
-        """Free the request's private and unfinished blocks that nobody reads or writes now."""
+        """Free the request's private and unfinished blocks that nobody reads or writes now; the ones in
+        use are freed when their last writer or reader is done (a release that overtakes the request's
+        own put, when the request ended early, leaves nothing behind)."""
         released = 0
         for index in list(self.by_request.get(request_id, ())):
             slot = self.slots[index]
             if slot.leases == 0 and slot.writers == 0:
                 self._release(slot)
                 released += 1
+            else:
+                slot.released = True
         return released
+
+    def _release_if_done(self, slot: Slot) -> int:
+        """Free a released request's block once nobody writes or reads it (1 if freed)."""
+        in_use = slot.writers or slot.leases
+        if slot.released and not in_use and slot.state in (SlotState.PRIVATE, SlotState.WRITING):
+            self._release(slot)
+            return 1
+        return 0
 
     def expire(self) -> int:
         """Free the unpinned private blocks older than `private_ttl_s` (from completion) and the
@@ -426,4 +442,5 @@ class SlotTable:
         self._untrack(slot)
         self._set_state(slot, SlotState.FREE)
         slot.key, slot.heads_written, slot.request_id, slot.leases = b"", 0, "", 0
+        slot.released = False
         self.free.append(slot.index)
