@@ -253,8 +253,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                     msg.cached_tokens = stream.req.num_cached_tokens
             stream.out.put(msg)
             if out.finished:
-                del self.streams[out.request_id]
-                self.early_aborts.stream_finished(out.request_id)
+                self._forget(out.request_id)
 
     def _fail_all(self, err: Exception) -> None:
         """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
@@ -262,17 +261,20 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             if request_id not in self.engine.states:
                 continue  # not in the failed step (still in prealloc or transfer, or aborted there)
             self.engine.abort(request_id)
-            self.streams.pop(request_id, None)
-            self.early_aborts.stream_finished(request_id)
+            self._forget(request_id)
             stream.out.put(RuntimeError(f"engine step failed: {err}"))
         self.leave_group_if_broken(err)
 
     def _finish(self, stream: Stream, reason: str) -> None:
         rid = stream.request.request_id
         if self.streams.get(rid) is stream:  # (a newer call may have taken the id meanwhile)
-            del self.streams[rid]
-            self.early_aborts.stream_finished(rid)
+            self._forget(rid)
         stream.out.put(worker_pb2.DecodeResponse(finish_reason=reason))
+
+    def _forget(self, request_id: str) -> None:
+        """The request's stream is over: the id is free, and an Abort that comes late leaves nothing."""
+        del self.streams[request_id]
+        self.early_aborts.stream_finished(request_id)
 
     def _cancel(self, stream: Stream) -> None:
         """The Decode call ended before its stream did: abort its request (if it is still this call's;

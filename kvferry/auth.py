@@ -143,20 +143,8 @@ def server_interceptors(creds: Credentials | None = None, aio: bool = False) -> 
 
 # -- client side: every call on a kvferry channel carries the secret ------------------------------------
 def _with_metadata(details, extra):
-    metadata = [*(details.metadata or ()), *extra]
-    if hasattr(details, "_replace"):  # grpc.aio's details are a namedtuple
-        return details._replace(metadata=metadata)
-    return _Details(details, metadata)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, details, metadata):
-        self.method = details.method
-        self.timeout = details.timeout
-        self.metadata = metadata
-        self.credentials = details.credentials
-        self.wait_for_ready = getattr(details, "wait_for_ready", None)
-        self.compression = getattr(details, "compression", None)
+    """`details` (a namedtuple in both grpc and grpc.aio) with `extra` added to its metadata."""
+    return details._replace(metadata=[*(details.metadata or ()), *extra])
 
 
 class SecretClientInterceptor(
