@@ -151,7 +151,10 @@ def test_a_loop_blocked_in_its_work_stops_making_progress():
     loop.start()
     release = threading.Event()
     try:
-        time.sleep(0.2)
+        started = loop.progress.last
+        deadline = time.monotonic() + 10
+        while loop.progress.last == started and time.monotonic() < deadline:  # a few idle iterations
+            time.sleep(0.01)
         assert not loop.progress.stalled(0.5)  # idle: iterates every idle wait
         loop.submit(lambda: release.wait(10))  # the engine thread hangs in its work
         deadline = time.monotonic() + 10
