@@ -140,10 +140,16 @@ def test_groups_drain_as_one_on_sigterm(redis_server, tiny_model_dir, tmp_path_f
                     pool.submit(client.generate, greedy(random_prompt(700 + i, 20), 150), 120)
                     for i in range(4)
                 ]
+
+                def held() -> list[list[str]]:
+                    return [list(s.active_request_ids) for s in members.stats("decode").values()]
+
+                # every request past its prefill (a draining group takes nothing new: one still in
+                # prefill when the signal lands has no decode worker to go to), on both ranks
                 wait_for(
-                    lambda: all(s.active_request_ids for s in members.stats("decode").values()),
+                    lambda: all(held()) and sum(map(len, held())) == len(futures),
                     60,
-                    "both decode ranks to hold requests",
+                    "both decode ranks to hold the requests",
                 )
                 workers = [c for c in cluster.children if c.name in ("prefill-0", "decode-0")]
                 for child in workers:
