@@ -9,7 +9,7 @@ cluster_host: 127.0.0.1  # what workers, pool nodes, redis and the TCPStores bin
 cluster_secret: null   # the internal plane's secret (null: `kvferry up` generates one; kvferry.auth)
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
          api_keys: [], ssl_certfile: null, ssl_keyfile: null}   # only the router faces clients
-pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true}
+pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true, private_ttl_s: 20}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
 drain_timeout_s: 60    # a stopping worker (scale-down, shutdown) finishes its requests for this long
@@ -71,6 +71,7 @@ class PoolSettings:
     nodes: int = 1
     memory_gib: float = 1.0
     per_ray_node: bool = True  # on Ray: one pool node on every Ray node (else `nodes`, spread)
+    private_ttl_s: float = 20.0  # an unread, unreleased private tail block (its router died) lives this long
     resources: dict = field(default_factory=dict)  # on Ray: what a pool node's actor reserves
 
 
@@ -154,6 +155,8 @@ class ClusterConfig:
             raise ClusterConfigError(f"pool.nodes must be >= 1, got {self.pool.nodes}")
         if self.pool.memory_gib <= 0:
             raise ClusterConfigError(f"pool.memory_gib must be > 0, got {self.pool.memory_gib}")
+        if self.pool.private_ttl_s <= 0:
+            raise ClusterConfigError(f"pool.private_ttl_s must be > 0, got {self.pool.private_ttl_s}")
         if self.drain_timeout_s < 0:
             raise ClusterConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.ray.max_restarts < 0:

@@ -11,7 +11,8 @@ Security: only the router binds `router.host` (`--host`); workers, pool nodes, r
 TCPStores bind `cluster_host` (127.0.0.1 by default). Every child gets the cluster secret in
 `KVFERRY_CLUSTER_SECRET` (kvferry.auth; never on a command line), and so does this process, whose
 probes and clients then carry it. The redis-server asks for a random password (deploy.redis_server).
-The router gets its API keys in `KVFERRY_API_KEY`. Secrets the operator needs (`cluster-secret`,
+The router gets its API keys in `KVFERRY_API_KEY`, and every pool node, worker and router the Redis
+URL (with that password) in `KVFERRY_REDIS_URL`. Secrets the operator needs (`cluster-secret`,
 `redis-url`) are written to the log dir, readable by the owner only, and removed at stop.
 
 Failure: once the cluster is up, a watcher thread restarts a dead unit (redis on its port with its
@@ -48,7 +49,7 @@ from kvferry.deploy.redis_server import (
 )
 from kvferry.deploy.restarts import RestartBudget
 from kvferry.engine.args import engine_flags
-from kvferry.kvpool.metadata import mask_url
+from kvferry.kvpool.metadata import REDIS_URL_ENV, mask_url
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
@@ -103,7 +104,7 @@ class LocalCluster:
             print(text, file=sys.stderr, flush=True)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
-        env = {SECRET_ENV: self.secret, **(env or {})}
+        env = {SECRET_ENV: self.secret, **redis_env(self.redis_url), **(env or {})}
         log = self.log_dir / f"{name}.log"
         child = Child(name, self._popen(log, argv, env, "wb"), log, argv, env)
         child.budget = RestartBudget(self.cfg.restarts)
@@ -113,7 +114,7 @@ class LocalCluster:
 
     @staticmethod
     def _popen(log: Path, argv: list[str], env: dict, mode: str) -> subprocess.Popen:
-        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV)}
+        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV, REDIS_URL_ENV)}
         with log.open(mode) as out:
             return subprocess.Popen(
                 argv,
@@ -156,7 +157,7 @@ class LocalCluster:
         self.say(f"redis       {mask_url(self.redis_url)}")
 
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
-            self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", inner, self.redis_url))
+            self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", inner))
         self._placement = cfg.host_placement(os.cpu_count() or 1)
         for role in cfg.roles():
             for index, settings in enumerate(cfg.groups(role)):
@@ -191,7 +192,7 @@ class LocalCluster:
         port = router.port or free_port(host)
         http_port = free_port(host) if router.http_port == 0 else router.http_port
         env = {API_KEY_ENV: ",".join(router.api_keys)} if router.api_keys else {}
-        self._spawn("router", router_argv(self.cfg, model, host, port, self.redis_url, http_port), env)
+        self._spawn("router", router_argv(self.cfg, model, host, port, http_port), env)
         scheme = "https" if router.ssl_certfile else "http"
         self.router_addr = f"{reachable(host)}:{port}"
         self.http_url = "" if http_port is None else f"{scheme}://{reachable(host)}:{http_port}"
@@ -208,9 +209,7 @@ class LocalCluster:
         cfg = self.cfg
         placement = self._placement[role]
         paced = {"decode_step_interval_ms": placement.step_interval_ms} if placement.step_interval_ms else {}
-        argv = worker_argv(
-            cfg, role, kind, name, str(self.model_dir), cfg.cluster_host, self.redis_url, defaults=paced
-        )
+        argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.cluster_host, defaults=paced)
         env = placement.env()
         if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
             del env["KVFERRY_NUM_THREADS"]
@@ -379,13 +378,15 @@ def expected_members(cfg: ClusterConfig, pool_nodes: int | None = None) -> tuple
     return cfg.members("prefill"), cfg.members("decode"), pool
 
 
-def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str, redis_url: str) -> list[str]:
-    """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers')."""
+def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) -> list[str]:
+    """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers').
+    Like every member's, it gets the Redis URL from its environment (redis_env), not its arguments."""
     slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
     return [
         *(sys.executable, "-m", "kvferry.kvpool", "--node-id", node_id),
-        *_common(cfg, host, redis_url),
+        *_common(cfg, host),
         *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
+        *("--private-ttl-s", str(cfg.pool.private_ttl_s)),
     ]
 
 
@@ -396,7 +397,6 @@ def worker_argv(
     name: str,
     model: str,
     host: str,
-    redis_url: str,
     defaults: dict | None = None,
 ) -> list[str]:
     """The command of a worker group of kind `kind` (its index in cfg.groups(role)); `model` is what
@@ -406,15 +406,13 @@ def worker_argv(
     engine = replace(engine, **{k: v for k, v in (defaults or {}).items() if getattr(engine, k) is None})
     return [
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
-        *_common(cfg, host, redis_url),
+        *_common(cfg, host),
         *("--drain-timeout-s", str(cfg.drain_timeout_s)),
         *engine_flags(engine),
     ]
 
 
-def router_argv(
-    cfg: ClusterConfig, model: str, host: str, port: int, redis_url: str, http_port: int | None
-) -> list[str]:
+def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, http_port: int | None) -> list[str]:
     """`host`: what the router binds (router.host: the one address clients reach); `http_port`: the
     OpenAI API's (None = off). The API keys go in the environment (KVFERRY_API_KEY), never here."""
     router = cfg.router
@@ -422,7 +420,7 @@ def router_argv(
     tls = ["--ssl-certfile", router.ssl_certfile, "--ssl-keyfile", router.ssl_keyfile]
     return [
         *(sys.executable, "-m", "kvferry.router", "--model", model, "--served-model-name", served),
-        *_common(cfg, host, redis_url),
+        *_common(cfg, host),
         *("--port", str(port), "--max-inflight", str(router.max_inflight)),
         *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
         *(["--colocated"] if cfg.colocated else []),
@@ -430,8 +428,14 @@ def router_argv(
     ]
 
 
-def _common(cfg: ClusterConfig, host: str, redis_url: str) -> list[str]:
-    return ["--host", host, "--redis-url", redis_url, "--namespace", cfg.namespace]
+def _common(cfg: ClusterConfig, host: str) -> list[str]:
+    return ["--host", host, "--namespace", cfg.namespace]
+
+
+def redis_env(url: str) -> dict[str, str]:
+    """The environment that gives a pool node, worker or router the cluster's Redis URL: an argument
+    would show its password to every user of the host in `ps`; the environment is the owner's only."""
+    return {REDIS_URL_ENV: url} if url else {}
 
 
 def check_degrees(cfg: ClusterConfig, model_cfg: ModelConfig) -> None:

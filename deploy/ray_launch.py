@@ -19,7 +19,8 @@
   for a password made at start (kept across relaunches), written to a file only its actor can read.
 - **Secrets**: the controller runs with the cluster secret in its environment (Ray's runtime env; the
   driver makes one unless the config has `cluster_secret`) and hands it to every process it launches
-  in `KVFERRY_CLUSTER_SECRET`, the router its API keys in `KVFERRY_API_KEY`: never on a command line.
+  in `KVFERRY_CLUSTER_SECRET`, the router its API keys in `KVFERRY_API_KEY`, every pool node, worker
+  and router the Redis URL (with its password) in `KVFERRY_REDIS_URL`: never on a command line.
 - **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher checks
   every unit every second and relaunches one with a dead actor or an exited process whole (every
   rank of a group: a group cannot take one rank back mid-collective) on the same resources. The
@@ -119,7 +120,7 @@ class Supervisor:
                 path = write_private(self.private / name, text)
                 argv = [a.replace(f"{{file:{name}}}", str(path)) for a in argv]
         with self.log_path.open("ab") as out:
-            shown = " ".join(mask_url(a) for a in argv)  # workers' --redis-url carries the password
+            shown = " ".join(mask_url(a) for a in argv)  # a --redis-url in the config's flags: masked
             out.write(f"--- kvferry launch {self.launches}: {shown}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
@@ -432,7 +433,7 @@ class Controller:
 
     def _launch(self, unit: Unit) -> Unit:
         """(Re)start every process of `unit` (creating its actors first if it has none)."""
-        from kvferry.deploy.local import pool_argv, redis_server_argv, router_argv, worker_argv
+        from kvferry.deploy.local import pool_argv, redis_env, redis_server_argv, router_argv, worker_argv
 
         cfg = self.cfg
         if not unit.sups:
@@ -447,7 +448,7 @@ class Controller:
             files = {"redis.conf": f"requirepass {self.redis_password}\n"}
             self.redis_url = redis_url(ip, unit.port, self.redis_password)
         elif unit.role == "pool":
-            argvs = [pool_argv(cfg, self.layout, unit.name, "{host}", self.redis_url)]
+            argvs = [pool_argv(cfg, self.layout, unit.name, "{host}")]
         elif unit.role == "router":
             host = cfg.router.host
             unit.port = unit.port or cfg.router.port or ray.get(unit.sups[0].free_port.remote())
@@ -455,19 +456,21 @@ class Controller:
                 unit.http_port = (
                     unit.http_port or cfg.router.http_port or ray.get(unit.sups[0].free_port.remote())
                 )
-            argvs = [router_argv(cfg, cfg.model, host, unit.port, self.redis_url, unit.http_port)]
+            argvs = [router_argv(cfg, cfg.model, host, unit.port, unit.http_port)]
             if cfg.router.api_keys:
                 env[API_KEY_ENV] = ",".join(cfg.router.api_keys)
             reach = ip if host in ("0.0.0.0", "::", "") else host
             self.router_addr = f"{reach}:{unit.port}"
             self.http_url = "" if unit.http_port is None else f"http://{reach}:{unit.http_port}"
         else:
-            base = worker_argv(cfg, unit.role, unit.kind, unit.name, cfg.model, "{host}", self.redis_url)
+            base = worker_argv(cfg, unit.role, unit.kind, unit.name, cfg.model, "{host}")
             argvs = [base]
             if unit.size > 1:  # rank 0 hosts the group's store on a port free now
                 port = ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
                 init = f"{ip}:{port}"
                 argvs = [[*base, "--rank", str(r), "--dist-init", init] for r in range(unit.size)]
+        if unit.role != "redis":
+            env.update(redis_env(self.redis_url))
         argvs = [["{python}" if a == sys.executable else a for a in argv] for argv in argvs]
         threads = max(1, int(self._bundle(unit).get("CPU", 1))) if unit.role in ("prefill", "decode") else 1
         env["KVFERRY_NUM_THREADS"] = str(threads)

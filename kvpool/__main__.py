@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+from kvferry.kvpool.metadata import add_redis_url_arg
 from kvferry.kvpool.node import PoolNode, PoolNodeConfig
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.rpc import hard_exit
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--num-slots", type=int, default=1024)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--redis-url", required=True)
+    add_redis_url_arg(p)
     p.add_argument("--namespace", default="default")
     p.add_argument("--layout", required=True, help="num_layers,num_kv_heads,block_size,head_dim,dtype")
     p.add_argument(
@@ -30,7 +31,16 @@ def main(argv: list[str] | None = None) -> int:
         default=PoolNodeConfig.transfer_timeout_s,
         help="the longest wait on a peer's transfer (a client that died or hangs)",
     )
+    p.add_argument(
+        "--private-ttl-s",
+        type=float,
+        default=PoolNodeConfig.private_ttl_s,
+        help="free a request's private tail block this long after it was written if nobody read or "
+        "released it (its router died before the decode started)",
+    )
     args = p.parse_args(argv)
+    if args.private_ttl_s <= 0:
+        p.error("--private-ttl-s must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pool %(levelname)s %(message)s")
     layout = BlockLayout.from_list(args.layout.split(","))
     cfg = PoolNodeConfig(
@@ -43,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         namespace=args.namespace,
         transfer_timeout_s=args.transfer_timeout_s,
+        private_ttl_s=args.private_ttl_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,8 +22,10 @@ per outage) and returns the "nothing known" answer.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -60,6 +62,21 @@ class Location:
     node_id: str
     slot: int
     generation: int
+
+
+REDIS_URL_ENV = "KVFERRY_REDIS_URL"  # how the launchers hand the URL over: its password stays out of `ps`
+
+
+def add_redis_url_arg(p: argparse.ArgumentParser) -> None:
+    """`--redis-url`, which defaults to $KVFERRY_REDIS_URL (one of the two is required)."""
+    env = os.environ.get(REDIS_URL_ENV)
+    p.add_argument(
+        "--redis-url",
+        default=env,
+        required=not env,
+        help=f"the metadata Redis, redis://[:password@]host:port/db (default: ${REDIS_URL_ENV}, which "
+        "keeps the password off the command line)",
+    )
 
 
 def mask_url(url: str) -> str:

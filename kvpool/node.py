@@ -108,7 +108,9 @@ class PoolNodeConfig:
     namespace: str = "default"
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
-    private_ttl_s: float = 120.0
+    # a request's private tail block that nobody reads or releases (its router died between the prefill
+    # and the decode) is freed this long after it was written; a decode that pulls later recomputes it
+    private_ttl_s: float = 20.0
     assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
     transfer_timeout_s: float = 10.0
 

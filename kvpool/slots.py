@@ -94,7 +94,7 @@ class SlotTable:
         num_kv_heads: int,
         node_id: str,
         *,
-        private_ttl_s: float = 120.0,
+        private_ttl_s: float = 20.0,
         assemble_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):

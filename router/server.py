@@ -43,7 +43,7 @@ from kvferry.engine.request import (
     validate_request,
 )
 from kvferry.kvpool.keys import block_keys
-from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
@@ -160,6 +160,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
         self.metrics = RouterMetrics(self.served_model_name, self.directory)
         self.inflight: dict[str, Inflight] = {}
+        self.ending: set[asyncio.Future] = set()  # releases that outlive their request's stream (`_end`)
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
 
     # -- admission ------------------------------------------------------------------------------------
@@ -289,13 +290,27 @@ class Router(generate_pb2_grpc.GenerationServicer):
             raise
         finally:
             handle.track.done(code.name)
-            try:
-                if not completed or handle.aborted:
-                    await self._cleanup(handle)
-                elif handle.release_pool:
-                    await self._release_pool(handle.request_id)
-            finally:  # only now may the id be reused: cleanup must not hit its successor
+            everything = not completed or handle.aborted
+            if everything or handle.release_pool:
+                ending = asyncio.ensure_future(self._end(handle, everything))
+                self.ending.add(ending)
+                ending.add_done_callback(self.ending.discard)
+                await asyncio.shield(ending)  # a client gone meanwhile cancels this wait, not the release
+            else:
                 del self.inflight[handle.request_id]
+
+    async def _end(self, handle: Inflight, everything: bool) -> None:
+        """Release what a request leaves behind (`everything`: in the workers and the pool; else the
+        pool's private tail), then free its id: a release must not hit a successor with the same id.
+        Its own task, so a cancel of the request's stream (the client went away just as its last
+        message went out) cannot cut the release short and leave the tail to the pool's TTL."""
+        try:
+            if everything:
+                await self._cleanup(handle)
+            else:
+                await self._release_pool(handle.request_id)
+        finally:
+            del self.inflight[handle.request_id]
 
     async def _generate(self, handle: Inflight):
         ids, params, t0 = handle.ids, handle.params, handle.t0
@@ -648,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=d.model)
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--redis-url", required=True)
+    add_redis_url_arg(p)
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--max-inflight", type=int, default=d.max_inflight)
     p.add_argument(

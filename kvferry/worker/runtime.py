@@ -23,7 +23,7 @@ from dataclasses import replace
 from kvferry.engine.args import add_engine_args, engine_config_from
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.kvpool.client import PoolClient
-from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.proc import settle_heap
 from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
@@ -39,7 +39,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default="", help="the group's id (its ranks register as <id>.r<rank>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--redis-url", required=True)
+    add_redis_url_arg(p)
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument(

@@ -161,14 +161,14 @@ def test_launcher_defaults_fill_only_the_engine_settings_the_file_leaves_unset()
 
     def interval(cfg: ClusterConfig) -> str | None:
         argv = worker_argv(
-            cfg, "decode", 0, "decode-0", "tiny", "127.0.0.1", "redis://x", {"decode_step_interval_ms": 40.0}
+            cfg, "decode", 0, "decode-0", "tiny", "127.0.0.1", {"decode_step_interval_ms": 40.0}
         )
         flag = "--decode-step-interval-ms"
         return argv[argv.index(flag) + 1] if flag in argv else None
 
     assert interval(ClusterConfig()) == "40.0"
     assert interval(cluster_config_from_dict({"decode": {"decode_step_interval_ms": 0}})) == "0"
-    assert "--decode-step-interval-ms" not in worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h", "r")
+    assert "--decode-step-interval-ms" not in worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h")
 
 
 def test_every_group_writes_the_pools_layout(tiny_model_dir):

@@ -18,19 +18,19 @@ from kvferry.deploy.config import (
     cluster_config_from_dict,
     cluster_config_to_dict,
 )
-from kvferry.deploy.local import LocalCluster, router_argv, worker_argv
+from kvferry.deploy.local import LocalCluster, pool_argv, router_argv, worker_argv
 from kvferry.deploy.redis_server import redis_server_argv, write_private, write_redis_config
 from kvferry.deploy.restarts import RestartBudget
-from kvferry.kvpool.metadata import mask_url
+from kvferry.kvpool.metadata import REDIS_URL_ENV, add_redis_url_arg, mask_url
 from kvferry.settings import API_KEY_ENV
 
 
 def test_only_the_router_takes_the_public_host():
     cfg = ClusterConfig().with_overrides(host="0.0.0.0")
     assert (cfg.router.host, cfg.cluster_host) == ("0.0.0.0", "127.0.0.1")
-    worker = worker_argv(cfg, "decode", 0, "decode-0", "tiny", cfg.cluster_host, "redis://x:1/0")
+    worker = worker_argv(cfg, "decode", 0, "decode-0", "tiny", cfg.cluster_host)
     assert worker[worker.index("--host") + 1] == "127.0.0.1"
-    router = router_argv(cfg, "tiny", cfg.router.host, 5, "redis://x:1/0", 6)
+    router = router_argv(cfg, "tiny", cfg.router.host, 5, 6)
     assert router[router.index("--host") + 1] == "0.0.0.0"
     with pytest.raises(ClusterConfigError, match="cluster_host"):
         ClusterConfig().with_overrides(cluster_host="0.0.0.0").validate()
@@ -39,7 +39,7 @@ def test_only_the_router_takes_the_public_host():
 def test_router_security_settings_reach_its_command_but_keys_stay_out_of_it():
     cfg = ClusterConfig().with_overrides(api_keys=("k1", "k2"), ssl_certfile="c.pem", ssl_keyfile="k.pem")
     assert cfg.router.api_keys == ("k1", "k2")
-    argv = router_argv(cfg, "tiny", "127.0.0.1", 5, "redis://x:1/0", None)
+    argv = router_argv(cfg, "tiny", "127.0.0.1", 5, None)
     assert argv[argv.index("--ssl-certfile") + 1] == "c.pem"
     assert argv[argv.index("--ssl-keyfile") + 1] == "k.pem"
     assert "k1" not in " ".join(argv) and "--api-key" not in argv
@@ -149,14 +149,49 @@ def test_retired_units_and_a_stopping_cluster_restart_nothing(tmp_path):
     assert dead.state == "running" and not cluster.events  # seen as dead by nobody: stopping
 
 
-def test_children_get_the_secret_and_router_keys_in_env_only(tmp_path, monkeypatch):
+def test_children_get_the_secret_router_keys_and_redis_url_in_env_only(tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-the-user")  # the launcher's own: not handed to workers
     cluster = _cluster(tmp_path)
+    cluster.redis_url = "redis://:pw123@127.0.0.1:7000/0"
     dump = [sys.executable, "-c", "import os; print(sorted(k for k in os.environ if k.startswith('KVF')))"]
     child = cluster._spawn("decode-0", dump)
     _wait_exit(child)
-    assert "KVFERRY_CLUSTER_SECRET" in child.log.read_text() and API_KEY_ENV not in child.log.read_text()
-    assert child.env[SECRET_ENV] == "the-secret" and "the-secret" not in child.argv
+    seen = child.log.read_text()
+    assert SECRET_ENV in seen and REDIS_URL_ENV in seen and API_KEY_ENV not in seen
+    assert child.env[SECRET_ENV] == "the-secret" and child.env[REDIS_URL_ENV] == cluster.redis_url
+    assert "the-secret" not in child.argv
+
+
+def test_no_member_command_carries_the_redis_url(tiny_model_dir):
+    """What `ps` shows every user of the host: no --redis-url (whose password would be in it)."""
+    from kvferry.deploy.config import cluster_layout
+    from kvferry.model.config import ModelConfig
+
+    cfg = ClusterConfig()
+    layout = cluster_layout(cfg, ModelConfig.from_dir(tiny_model_dir))
+    commands = [
+        pool_argv(cfg, layout, "pool-0", "127.0.0.1"),
+        worker_argv(cfg, "prefill", 0, "prefill-0", "tiny", "127.0.0.1"),
+        worker_argv(cfg, "decode", 0, "decode-0", "tiny", "127.0.0.1"),
+        router_argv(cfg, "tiny", "127.0.0.1", 5, 6),
+    ]
+    for argv in commands:
+        assert "--redis-url" not in argv and not any("redis://" in a for a in argv), argv
+
+
+def test_members_read_the_redis_url_from_env_when_no_flag_gives_it(monkeypatch):
+    import argparse
+
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    bare = argparse.ArgumentParser()
+    add_redis_url_arg(bare)
+    with pytest.raises(SystemExit):  # neither the flag nor the environment: refused
+        bare.parse_args([])
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:pw@h:1/0")
+    p = argparse.ArgumentParser()
+    add_redis_url_arg(p)
+    assert p.parse_args([]).redis_url == "redis://:pw@h:1/0"
+    assert p.parse_args(["--redis-url", "redis://h:2/0"]).redis_url == "redis://h:2/0"  # the flag wins
 
 
 def test_up_refuses_an_empty_or_missing_cluster_secret_file_before_starting_anything(tmp_path, capsys):
