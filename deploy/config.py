@@ -8,7 +8,8 @@ redis_url: null        # null: `kvferry up` starts its own redis-server (with a 
 cluster_host: 127.0.0.1  # what workers, pool nodes, redis and the TCPStores bind: never exposed
 cluster_secret: null   # the internal plane's secret (null: `kvferry up` generates one; kvferry.auth)
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
-         api_keys: [], ssl_certfile: null, ssl_keyfile: null}   # only the router faces clients
+         api_keys: [], ssl_certfile: null, ssl_keyfile: null,   # only the router faces clients
+         routing: kv-aware}   # the prefill worker holding the longest prefix, weighed against load
 pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true, private_ttl_s: 20}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
@@ -64,6 +65,7 @@ class RouterSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients send one (Bearer); () = open
     ssl_certfile: str | None = None  # the router serves TLS (gRPC and HTTP) with this cert and key
     ssl_keyfile: str | None = None
+    routing: str = "kv-aware"  # the prefill worker choice: kv-aware | least-load (router.prefix_routing)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,12 @@ class ClusterConfig:
             )
         if bool(self.router.ssl_certfile) != bool(self.router.ssl_keyfile):
             raise ClusterConfigError("router.ssl_certfile and router.ssl_keyfile go together")
+        from kvferry.router.prefix_routing import ROUTING_MODES
+
+        if self.router.routing not in ROUTING_MODES:
+            raise ClusterConfigError(
+                f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {self.router.routing!r}"
+            )
         if self.cluster_host in ("0.0.0.0", "::", ""):
             raise ClusterConfigError(
                 f"cluster_host {self.cluster_host!r} would expose workers, pool nodes and redis; "

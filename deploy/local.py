@@ -421,7 +421,7 @@ def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, http_port:
     return [
         *(sys.executable, "-m", "kvferry.router", "--model", model, "--served-model-name", served),
         *_common(cfg, host),
-        *("--port", str(port), "--max-inflight", str(router.max_inflight)),
+        *("--port", str(port), "--max-inflight", str(router.max_inflight), "--routing", router.routing),
         *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
         *(["--colocated"] if cfg.colocated else []),
         *(tls if router.ssl_certfile else []),

@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +40,7 @@ class Member:
     stub: object
     info: worker_pb2.WorkerInfo | None = None
     inflight: int = 0
+    inflight_tokens: int = 0  # prompt tokens it is expected to compute for the calls in flight (routing)
     group: str = ""  # the worker group (an expert-parallel decode group has one member per rank)
     free_blocks: int = 0  # KV blocks free, as of the last heartbeat minus what was sent since
     draining: bool = False  # finishing what it has; gets nothing new (scale-down, shutdown)
@@ -241,8 +243,7 @@ class Directory:
         """The least-loaded live group of a role (round-robin among equals), then its rank with the
         most free KV blocks (an expert-parallel decode group admits where the KV fits best; `blocks`,
         what the request will hold, is taken off that rank's count until its next heartbeat)."""
-        now = time.monotonic()
-        live = [m for m in self.members[role].values() if m.suspect_until <= now and not m.draining]
+        live = self.available(role)
         if not live:
             return None
         groups: dict[str, list[Member]] = {}
@@ -255,6 +256,19 @@ class Directory:
         member = max(sorted(ranks, key=lambda m: m.member_id), key=lambda m: (m.free_blocks, -m.inflight))
         member.free_blocks -= blocks
         return member
+
+    def available(self, role: str, exclude: Collection[str] = ()) -> list[Member]:
+        """The members of a role that may take a new call now: live, not draining, not suspect, and
+        neither they nor their group in `exclude` (the ones a request already tried)."""
+        now = time.monotonic()
+        return [
+            m
+            for m in self.members[role].values()
+            if m.suspect_until <= now
+            and not m.draining
+            and m.member_id not in exclude
+            and not (m.group and m.group in exclude)
+        ]
 
     def suspect(self, member: Member, seconds: float) -> None:
         member.suspect_until = time.monotonic() + seconds

@@ -7,6 +7,11 @@ queries and hits (local = a worker's own cache, pool = pulled from the KV pool),
 reason and every request by final status code. Per cluster, read from the registry heartbeats at
 scrape time: requests running/waiting in the workers, KV-cache usage per worker, slab usage per pool
 node. Every series carries `model_name`.
+
+Routing (`router.prefix_routing`): each prefill worker choice by what decided it, and per answered
+prefill the hit the chosen worker was expected to have next to the one it reported (its local cache,
+and the pool beyond that: the `Finished` message's cached_tokens - pool_cached_tokens and
+pool_cached_tokens), in tokens, so a dashboard can tell how well the router's records predict.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily
 
 from kvferry.router.directory import Directory
+from kvferry.router.prefix_routing import REASONS, Choice
 from kvferry.v1 import generate_pb2
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -27,6 +33,7 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+HIT_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)  # tokens
 # Finished.timings field -> histogram suffix (kvferry:request_<phase>_time_seconds)
 PHASES = {
     "queue_ms": "queue",
@@ -79,6 +86,36 @@ class RouterMetrics:
             "Prompt tokens served by a cache.",
             ["source"],
         )
+
+        self.routing_decisions = counter(
+            "routing_decisions_total",
+            "Prefill workers chosen, by what decided: prefix, pool_locality, load, only_choice.",
+            ["reason"],
+        )
+        for reason in REASONS:
+            self.routing_decisions.labels(model_name, reason)
+        self.hits_predicted, self.hits_actual = (
+            Histogram(
+                f"kvferry:routing_{kind}_hit_tokens",
+                f"Prompt tokens the chosen prefill worker {doc}, by source (local, pool).",
+                [*labels, "source"],
+                buckets=HIT_BUCKETS,
+                registry=self.registry,
+            )
+            for kind, doc in (("predicted", "was expected to find cached"), ("actual", "found cached"))
+        )
+
+    def routed(self, choice: Choice) -> None:
+        """A prefill worker was chosen (each retry is a choice of its own)."""
+        self.routing_decisions.labels(self.model_name, choice.reason).inc()
+
+    def prefilled(self, choice: Choice, cached: tuple[int, int]) -> None:
+        """The chosen worker answered with `cached`: (prefix-cache hit tokens, of which from the pool)."""
+        name = self.model_name
+        self.hits_predicted.labels(name, "local").observe(choice.local_tokens)
+        self.hits_predicted.labels(name, "pool").observe(choice.pool_tokens)
+        self.hits_actual.labels(name, "local").observe(cached[0] - cached[1])
+        self.hits_actual.labels(name, "pool").observe(cached[1])
 
     def failover(self, role: str, code: str) -> None:
         """A failed worker call was tried again on another worker of `role` (router.failover)."""

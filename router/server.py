@@ -2,7 +2,8 @@
 
 Generate: cheap limits (`router.limits`) -> admit (RESOURCE_EXHAUSTED past --max-inflight, counted
 before any work) -> tokenize (off the event loop) and validate every field -> block keys -> ask the pool
-how much of the prefix is cached -> least-loaded prefill worker (first token + KV locations) ->
+how much of the prefix is cached -> the prefill worker whose own cache is expected to hold most of the
+prompt's prefix, weighed against load (`router.prefix_routing`; first token + KV locations) ->
 least-loaded decode worker (pulls the KV, streams tokens) -> relay with incremental detokenization and
 stop strings applied here. A worker that dies or refuses is replaced by another (`router.failover`):
 a prefill is sent again, a decode stream resumes where it broke. Whatever ends a request early (client
@@ -60,6 +61,7 @@ from kvferry.router.failover import (
 from kvferry.router.http_server import start_http
 from kvferry.router.limits import check_limits
 from kvferry.router.metrics import RequestTrack, RouterMetrics
+from kvferry.router.prefix_routing import ROUTING_MODES, Choice, PrefillRouting, RoutingConfig
 from kvferry.rpc import MAX_MESSAGE_BYTES, aio_channel, hard_exit, service_names
 from kvferry.settings import API_KEY_ENV, load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
@@ -86,6 +88,7 @@ class RouterConfig:
     ssl_keyfile: str | None = None
     request_timeout_s: float = 600.0  # the deadline of a request whose client sets none
     max_request_bytes: int = 4 * 2**20  # the public gRPC server's receive limit (far above a valid request)
+    routing: str = "kv-aware"  # how a prefill worker is chosen: kv-aware | least-load (router.prefix_routing)
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
         self.metrics = RouterMetrics(self.served_model_name, self.directory)
+        self.routing = PrefillRouting(RoutingConfig(mode=cfg.routing), self.directory)
         self.inflight: dict[str, Inflight] = {}
         self.ending: set[asyncio.Future] = set()  # releases that outlive their request's stream (`_end`)
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
@@ -320,7 +324,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
         state = OutputState(req, self.tokenizer, tuple(model.eos_token_ids), model.max_model_len)
         fingerprint = bytes.fromhex(model.fingerprint)
         keys = block_keys(ids, model.block_size, fingerprint)
-        cached = len(await asyncio.to_thread(self.meta.lookup_prefix, keys)) * model.block_size
+        pooled = await asyncio.to_thread(self.meta.lookup_prefix, keys)
+        cached = len(pooled) * model.block_size
 
         if handle.aborted:
             yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
@@ -331,7 +336,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             return
         t_prefill = time.perf_counter()
         sampling = sampling_to_proto(params)
-        prefill = await self._prefill(handle, ids, sampling)
+        prefill = await self._prefill(handle, ids, sampling, keys, pooled)
         if prefill is None:
             yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
             return
@@ -377,23 +382,32 @@ class Router(generate_pb2_grpc.GenerationServicer):
         async for message in self._relay(handle, decode_req, Relay(req, state, {}, (0, 0), t0)):
             yield message
 
-    async def _prefill(self, handle: Inflight, ids: list[int], sampling) -> worker_pb2.PrefillResponse | None:
-        """The prefill on the least-loaded prefill worker; one that dies or refuses is replaced by another
-        (at most MAX_RETRIES times, never the same one twice). None: Abort() came meanwhile."""
+    async def _prefill(
+        self, handle: Inflight, ids: list[int], sampling, keys: list[bytes], pooled
+    ) -> worker_pb2.PrefillResponse | None:
+        """The prefill on the worker `self.routing` chooses (`pooled`: where the pool holds the leading
+        `keys`); one that dies or refuses is replaced by another (at most MAX_RETRIES times, never the
+        same one twice). None: Abort() came meanwhile."""
         tried: set[str] = set()
         failed: WorkerFailed | None = None
         for tries in itertools.count(1):
-            worker = pick_excluding(self.directory, "prefill", tried)
-            if worker is None:  # none left to try: the last failure is the answer
+            choice = self.routing.choose(keys, pooled, len(ids), tried)
+            if choice is None:  # none left to try: the last failure is the answer
                 raise failed or RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
-            tried.add(worker.member_id)
+            tried.add(choice.worker.member_id)
+            self.metrics.routed(choice)
             try:
-                return await self._call_prefill(handle, worker, ids, sampling)
+                prefill = await self._call_prefill(handle, choice, ids, sampling)
             except WorkerFailed as err:
+                self.routing.failed(choice)
                 if not self._retry(handle, err, "prefill", tries):
                     raise
                 failed = err
                 handle.release_pool = True  # the failed one may have put part of the prompt's KV
+                continue
+            if prefill is not None:
+                self.metrics.prefilled(choice, cached_of(prefill))
+            return prefill
 
     def _retry(self, handle: Inflight, err: WorkerFailed, role: str, tries: int) -> bool:
         """Whether a failed worker call is tried again on another worker of `role` (logged, counted)."""
@@ -494,8 +508,10 @@ class Router(generate_pb2_grpc.GenerationServicer):
             relay_code(err), f"{role} worker {worker.member_id}: {err.details()}", retryable(role, err)
         )
 
-    async def _call_prefill(self, handle, worker: Member, ids, sampling):
+    async def _call_prefill(self, handle, choice: Choice, ids, sampling):
+        worker = choice.worker
         worker.inflight += 1
+        worker.inflight_tokens += choice.compute_tokens
         call = worker.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=handle.request_id, prompt_token_ids=ids, sampling=sampling),
             timeout=handle.remaining(),
@@ -512,6 +528,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             raise self._failed(worker, "prefill", err) from None
         finally:
             worker.inflight -= 1
+            worker.inflight_tokens -= choice.compute_tokens
             handle.calls.remove(call)
 
     def _final(self, handle, req: Request, state: OutputState, reason, cached: tuple[int, int], timings, t0):
@@ -691,6 +708,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request message accepted"
     )
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default=d.routing,
+        help="prefill worker choice: kv-aware (the one expected to hold most of the prompt's prefix, "
+        "weighed against load) or least-load (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         p.error("--ssl-certfile and --ssl-keyfile go together")
@@ -712,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         ssl_keyfile=args.ssl_keyfile,
         request_timeout_s=args.request_timeout_s,
         max_request_bytes=args.max_request_bytes,
+        routing=args.routing,
     )
 
     async def run() -> None:

@@ -10,11 +10,13 @@ import pytest
 import torch
 from cluster_helpers import Members, assert_released, wait_for
 
+from kvferry.convert import sampling_to_proto
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
+from kvferry.v1 import pool_pb2, worker_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -95,26 +97,38 @@ def test_sixteen_concurrent_streams(client, members):
     assert_released(members, [r.request_id for r in results])
 
 
-def test_shared_prefix_pulled_from_pool(client, members, engine):
+def test_shared_prefix_hits_its_worker_or_comes_from_the_pool(client, members, engine):
     shared = random_prompt(7, 3 * BLOCK)
     first = shared + random_prompt(8, 10)
     second = shared + random_prompt(9, 13)
     client.generate(greedy(first), timeout=60)
-    before = members.stats("prefill")
+
+    def counts():
+        return {
+            k: (s.local_hit_tokens, s.pool_hit_tokens, s.prompt_tokens_computed)
+            for k, s in members.stats("prefill").items()
+        }
+
+    before = counts()
     got = client.generate(greedy(second), timeout=60)
-    after = members.stats("prefill")
-    delta = {
-        k: (
-            after[k].pool_hit_tokens - before[k].pool_hit_tokens,
-            after[k].prompt_tokens_computed - before[k].prompt_tokens_computed,
-        )
-        for k in after
-    }
-    # the second request went to the other prefill worker (least loaded, round robin), which has
-    # never seen the prefix: it pulled 3 blocks from the pool and computed only the rest
-    assert sorted(delta.values()) == [(0, 0), (3 * BLOCK, len(second) - 3 * BLOCK)], delta
-    assert got.finished.cached_tokens == 3 * BLOCK
+    after = counts()
+    delta = {k: tuple(a - b for a, b in zip(after[k], before[k], strict=True)) for k in after}
+    # KV-aware routing (router.prefix_routing) sends it where the first one ran: its cache holds the prefix
+    assert sorted(delta.values()) == [(0, 0, 0), (3 * BLOCK, 0, len(second) - 3 * BLOCK)], delta
+    assert (got.finished.cached_tokens, got.finished.pool_cached_tokens) == (3 * BLOCK, 0)
     assert got.token_ids == offline(engine, second)
+    # the other worker, asked directly, has never seen the prefix: it pulls it from the pool
+    (other,) = [k for k, d in delta.items() if d == (0, 0, 0)]
+    sampling = sampling_to_proto(SamplingParams(max_tokens=1, temperature=0.0))
+    third = shared + random_prompt(10, 5)
+    reply = members.prefill[other].Prefill(
+        worker_pb2.PrefillRequest(request_id="pull-me", prompt_token_ids=third, sampling=sampling), timeout=60
+    )
+    assert (reply.cached_tokens, reply.pool_cached_tokens) == (3 * BLOCK, 3 * BLOCK)
+    assert reply.first_token_id == offline(engine, third, max_tokens=1)[0]
+    for pool in members.pool.values():  # drop its private tail block, as the router would
+        pool.Release(pool_pb2.ReleaseRequest(request_id="pull-me"), timeout=10)
+    assert_released(members, ["pull-me"])
 
 
 def test_abort_and_cancel_release_everything(client, members):

@@ -21,7 +21,7 @@ from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-LONG = 900  # tokens of the stream that loses its decode worker: still running at the kill, even on a busy host
+LONG = 900  # tokens of the stream that loses its decode worker: still running at the kill on a busy host
 
 
 @pytest.fixture(scope="module")

@@ -229,3 +229,14 @@ def test_groups_of_different_kv_dtypes_are_refused_before_launch(tiny_model_dir,
     cpu = cluster_config_from_dict({"model": str(tiny_model_dir), "decode": {"device": "cpu"}})
     assert cpu.bundle("decode", 0, ray_gpus=True) == {"CPU": 1.0}
     assert cluster_layout(cpu, tiny_model_dir, ray_gpus=False).dtype == "float32"
+
+
+def test_router_routing_mode_reaches_its_command_and_is_checked():
+    from kvferry.deploy.local import router_argv
+
+    cfg = cluster_config_from_dict({"router": {"routing": "least-load"}})
+    argv = router_argv(cfg, "tiny", "127.0.0.1", 5, None)
+    assert argv[argv.index("--routing") + 1] == "least-load"
+    assert "kv-aware" in router_argv(ClusterConfig(), "tiny", "127.0.0.1", 5, None)
+    with pytest.raises(ClusterConfigError, match=r"router\.routing"):
+        cluster_config_from_dict({"router": {"routing": "random"}}).validate()

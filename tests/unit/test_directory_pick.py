@@ -1,5 +1,6 @@
 """The router's worker choice: least-loaded group (round robin among equals), then within an
-expert-parallel decode group the rank with the most free KV blocks."""
+expert-parallel decode group the rank with the most free KV blocks; and which members may take a call
+at all (`available`, what KV-aware routing chooses among)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,15 @@ def test_draining_members_get_nothing_new_and_do_not_count():
     assert d.count("decode") == 1
     d.members["decode"]["decode-1"].draining = True
     assert d.pick("decode") is None and d.count("decode") == 0
+
+
+def test_available_skips_tried_members_and_groups_draining_and_suspect():
+    d = Directory(meta=None)
+    add(d, "ep.r0", "ep", free_blocks=1)
+    add(d, "ep.r1", "ep", free_blocks=1)
+    add(d, "solo", "solo", free_blocks=1)
+    add(d, "old", "old", free_blocks=1).draining = True
+    d.suspect(add(d, "flaky", "flaky", free_blocks=1), 60)
+    assert {m.member_id for m in d.available("decode")} == {"ep.r0", "ep.r1", "solo"}
+    assert {m.member_id for m in d.available("decode", {"ep"})} == {"solo"}
+    assert {m.member_id for m in d.available("decode", {"solo", "ep.r0"})} == {"ep.r1"}

@@ -1,0 +1,203 @@
+"""KV-aware prefill routing (router.prefix_routing): the per-worker records of sent block keys (prefix
+match, LRU bound, forgetting), the cost that weighs cached prefix against pulls and load, the balance
+guard, pool locality, and the metrics of each choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.kvpool.keys import block_keys
+from kvferry.kvpool.metadata import Location
+from kvferry.router.directory import Directory, Member, PoolNode
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.prefix_routing import (
+    DEFAULT_CAPACITY_BLOCKS,
+    CacheRecord,
+    PrefillRouting,
+    RoutingConfig,
+    host_of,
+)
+from kvferry.v1 import worker_pb2
+
+BS = 4
+FP = b"fingerprint"
+
+
+def directory(*workers: tuple[str, str], total_blocks: int = 1000) -> Directory:
+    """Prefill workers (id, host), each its own group, with `total_blocks` of KV."""
+    d = Directory(meta=None)
+    d.model = worker_pb2.WorkerInfo(block_size=BS)
+    for member_id, host in workers:
+        add(d, member_id, host, total_blocks)
+    return d
+
+
+def add(d: Directory, member_id: str, host: str, total_blocks: int | None = 1000) -> Member:
+    beat = {} if total_blocks is None else {"total_blocks": total_blocks}
+    member = Member("prefill", member_id, f"{host}:5000", None, None, group=member_id, beat=beat)
+    d.members["prefill"][member_id] = member
+    return member
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
+
+
+def keys_of(ids: list[int]) -> list[bytes]:
+    return block_keys(ids, BS, FP)
+
+
+def pooled(keys: list[bytes], node: str = "pool-0") -> list[Location]:
+    return [Location(k, node, i, 1) for i, k in enumerate(keys)]
+
+
+def send(routing: PrefillRouting, ids: list[int], pool=(), tried=()):
+    return routing.choose(keys_of(ids), list(pool), len(ids), set(tried))
+
+
+def test_record_matches_leading_keys_and_evicts_least_recent_tail_first():
+    a, b = keys_of(prompt(1, 12)), keys_of(prompt(2, 12))  # 3 blocks each
+    record = CacheRecord("h:1", capacity=4)
+    record.add(a)
+    assert record.match(a) == 3 and record.match([a[0], b"?", a[2]]) == 1  # only a leading run counts
+    record.add(b)  # 6 keys > 4: the least recent go, a's tail before its head
+    assert record.match(b) == 3 and record.match(a) == 1 and len(record.keys) == 4
+    record.add(a[:1])  # a hit refreshes: b's tail is next out
+    record.add(keys_of(prompt(3, 4)))
+    assert record.match(a) == 1 and record.match(b) == 2
+    record.discard(b[:1])
+    assert record.match(b) == 0
+
+
+def test_a_shared_prefix_goes_where_it_was_sent_and_the_hit_is_predicted():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(), d)
+    first = send(routing, prompt(1, 40))
+    assert first.reason == "load" and first.local_tokens == 0 and first.compute_tokens == 40
+    follow = prompt(1, 32) + prompt(9, 10)  # the first 8 blocks shared
+    again = send(routing, follow)
+    assert again.worker is first.worker and again.reason == "prefix"
+    assert (again.local_tokens, again.pool_tokens, again.compute_tokens) == (32, 0, 10)
+    # the pool holding the same blocks: a local hit still saves the pull, so it still goes there
+    later = prompt(1, 36) + prompt(8, 5)
+    choice = send(routing, later, pooled(keys_of(later)[:10]))
+    assert choice.worker is first.worker and choice.reason == "prefix"
+    assert (choice.local_tokens, choice.pool_tokens, choice.compute_tokens) == (36, 4, 1)
+
+
+def test_the_last_token_is_always_computed():
+    d = directory(("p0", "h0"))
+    routing = PrefillRouting(RoutingConfig(), d)
+    ids = prompt(1, 16)  # exactly 4 blocks: the worker uses 3 cached and computes the last block
+    send(routing, ids)
+    choice = send(routing, ids, pooled(keys_of(ids)))
+    assert choice.reason == "only_choice"
+    assert (choice.local_tokens, choice.pool_tokens, choice.compute_tokens) == (12, 0, 4)
+
+
+def test_load_outweighs_a_small_prefix_and_the_balance_guard_caps_a_hot_one():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(balance_abs=4, balance_rel=1.5), d)
+    hot, long = prompt(1, 80), prompt(2, 80)
+    holder = send(routing, hot).worker
+    other = next(m for m in d.members["prefill"].values() if m is not holder)
+    send(routing, long, tried={other.member_id})
+    holder.inflight, holder.inflight_tokens, other.inflight = 5, 10, 2  # 5 - 2 within balance_abs
+    choice = send(routing, hot + prompt(5, 8))
+    assert choice.worker is holder and choice.reason == "prefix"
+    other.inflight = 0  # 5 - 0 > 4 and 5 > 1.5 x 0: imbalanced, the least loaded wins
+    choice = send(routing, hot + prompt(6, 8))
+    assert choice.worker is other and choice.reason == "load"
+    holder.inflight, holder.inflight_tokens = 1, 200  # one long prefill queued there: 80 saved < 200
+    choice = send(routing, long + prompt(7, 8))
+    assert choice.worker is other and choice.reason == "load"
+
+
+def test_pool_blocks_on_a_workers_host_make_it_cheaper():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    d.pool_nodes["node-b"] = PoolNode("h1:7000", 0.0, {})
+    routing = PrefillRouting(RoutingConfig(), d)
+    ids = prompt(3, 30)
+    for _ in range(3):  # whichever turn the round robin is at
+        choice = send(routing, ids, pooled(keys_of(ids)[:7], "node-b"))
+        assert choice.worker.member_id == "p1" and choice.reason == "pool_locality"
+        assert (choice.local_tokens, choice.pool_tokens) == (0, 28)
+        routing.records.clear()
+
+
+def test_cold_prompts_take_turns_and_tried_draining_suspect_workers_are_skipped():
+    d = directory(("p0", "h"), ("p1", "h"), ("p2", "h"))
+    routing = PrefillRouting(RoutingConfig(), d)
+    assert {send(routing, prompt(i, 20)).worker.member_id for i in range(3)} == {"p0", "p1", "p2"}
+    d.members["prefill"]["p1"].draining = True
+    d.suspect(d.members["prefill"]["p2"], 60)
+    only = send(routing, prompt(1, 20))
+    assert only.worker.member_id == "p0" and only.reason == "only_choice"
+    assert send(routing, prompt(1, 20), tried={"p0"}) is None
+
+
+def test_forgets_workers_that_leave_or_come_back_elsewhere_and_failed_prefills():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(), d)
+    ids = prompt(1, 40)
+    first = send(routing, ids)
+    name = first.worker.member_id
+    routing.failed(first)
+    assert routing.records[name].match(keys_of(ids)) == 0
+    send(routing, ids, tried={"p0" if name == "p1" else "p1"})  # recorded again on the same worker
+    assert routing.records[name].match(keys_of(ids)) == 10
+    del d.members["prefill"][name]
+    send(routing, ids)
+    assert name not in routing.records
+    add(d, name, "h9")  # back, at another address: a new process with an empty cache
+    routing.records[name] = CacheRecord("h0:1", 10)
+    routing.records[name].add(keys_of(ids))
+    choice = send(routing, ids, tried={"p0" if name == "p1" else "p1"})
+    assert choice.local_tokens == 0 and routing.records[name].addr == "h9:5000"
+
+
+def test_records_are_bounded_by_the_reported_capacity():
+    d = directory(("p0", "h0"), total_blocks=6)
+    add(d, "p1", "h1", total_blocks=None)
+    routing = PrefillRouting(RoutingConfig(), d)
+    send(routing, prompt(1, 40), tried={"p1"})
+    send(routing, prompt(2, 40), tried={"p0"})
+    assert len(routing.records["p0"].keys) == 6
+    assert routing.records["p1"].capacity == DEFAULT_CAPACITY_BLOCKS
+
+
+def test_least_load_mode_ignores_the_caches_but_still_predicts():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(mode="least-load"), d)
+    ids = prompt(1, 40)
+    first = send(routing, ids)
+    first.worker.inflight = 1
+    second = send(routing, ids)
+    assert second.worker is not first.worker and second.reason == "load" and second.local_tokens == 0
+    first.worker.inflight, second.worker.inflight = 0, 1
+    third = send(routing, ids)
+    assert third.worker is first.worker and third.local_tokens == 36
+    with pytest.raises(ValueError, match="routing mode"):
+        PrefillRouting(RoutingConfig(mode="random"), d)
+
+
+def test_host_of():
+    assert host_of("10.0.0.1:5000") == "10.0.0.1"
+    assert host_of("[::1]:5000") == "::1"
+
+
+def test_metrics_count_decisions_and_compare_predicted_with_actual_hits():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(), d)
+    metrics = RouterMetrics("m", d)
+    ids = prompt(1, 40)
+    send(routing, ids)
+    choice = send(routing, ids, pooled(keys_of(ids)[:2]))
+    metrics.routed(choice)
+    metrics.prefilled(choice, (36, 0))
+    text = metrics.exposition().decode()
+    assert 'kvferry:routing_decisions_total{model_name="m",reason="prefix"} 1.0' in text
+    assert 'kvferry:routing_decisions_total{model_name="m",reason="pool_locality"} 0.0' in text
+    assert 'kvferry:routing_predicted_hit_tokens_sum{model_name="m",source="local"} 36.0' in text
+    assert 'kvferry:routing_actual_hit_tokens_sum{model_name="m",source="local"} 36.0' in text
+    assert 'kvferry:routing_actual_hit_tokens_sum{model_name="m",source="pool"} 0.0' in text
