@@ -1,8 +1,8 @@
-"""kvferry's C++ CPU kernels (`cpu/kvferry_cpu.cpp`): packed skinny GEMM, fused norms, RoPE + KV store,
-paged decode attention and the MoE experts, each one call per layer instead of a dozen torch ops.
+"""kvferry's C++ CPU kernels (`cpu/*.cpp`): packed skinny GEMM, fused norms, RoPE + KV store, paged decode
+and prefill attention and the MoE experts, each one call per layer instead of a dozen torch ops.
 
-The source is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension; about
-20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the source, torch version and compiler flags, and
+The sources are compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension; about
+20 s, once) into `<KVFERRY_CACHE_DIR>/kernels/`, keyed by the sources, torch version and compiler flags, and
 registered as `torch.ops.kvferry_cpu.*`. They need float32 activations and AVX2 + FMA; `load()` returns
 False where they cannot serve (another CPU, no compiler), and callers keep the plain torch path. On CPUs
 with AVX512-BF16 the build adds a GEMM over bf16 weights packed in k pairs (`pack_weight_bf16_pairs`)
@@ -21,7 +21,9 @@ import torch
 
 from kvferry.settings import load_settings
 
-SOURCE = Path(__file__).parent / "cpu" / "kvferry_cpu.cpp"
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = (SOURCE_DIR / "kvferry_cpu.cpp", SOURCE_DIR / "prefill_attention.cpp")
+HEADERS = (SOURCE_DIR / "vec_math.h",)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the libgomp.so.1 it binds to at
 # load time is the one torch already loaded (same soname), so there is one OpenMP thread pool
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
@@ -56,7 +58,8 @@ def supported() -> bool:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags()).encode())
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags()).encode())
     return f"kvferry_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -79,7 +82,7 @@ def _build() -> bool:
     try:
         cpp_extension.load(
             name,
-            [str(SOURCE)],
+            [str(path) for path in SOURCES],
             extra_cflags=flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -100,3 +103,11 @@ def ops():
 def bf16_dot() -> bool:
     """The loaded kernels multiply bf16 weights with bf16-rounded activations (the AVX512-BF16 build)."""
     return load() and ops().has_bf16_dot()
+
+
+def prefill_attention() -> bool:
+    """The loaded kernels have `paged_prefill_attention` (the AVX-512 build, the same as `bf16_dot`);
+    elsewhere prefill chunks run torch's SDPA."""
+    if "prefill" not in _state:
+        _state["prefill"] = bf16_dot()
+    return _state["prefill"]

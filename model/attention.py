@@ -6,7 +6,9 @@ its slot (block id, offset in block) before attention reads the cache.
 
 Cache layout (per layer, for K and for V alike): [num_kv_heads, num_blocks, block_size, head_dim].
 Decodes read their blocks through a block table (`kernels/`: a C++ CPU kernel, or the torch reference
-that gathers them); prefill chunks run SDPA over their own K/V, or over the gathered cached prefix.
+that gathers them). Prefill chunks read theirs in place with the C++ prefill kernel where it builds (one
+call per chunk, a cached prefix included, causal by position); the torch path runs SDPA over the chunk's
+own K/V, or over the gathered cached prefix with a causal mask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvferry.kernels import cpu
 from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.kernels.paged_attention import block_rows, gather_rows, paged_decode_attention_reference
 
@@ -81,7 +84,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D].
 
-    `kernels`: decodes run the C++ CPU kernel (float32), else the torch reference.
+    `kernels`: decodes and prefill chunks run the C++ CPU kernels (float32), else the torch reference.
     """
     out = torch.empty_like(q)
     if meta.num_decodes:
@@ -89,9 +92,16 @@ def paged_attention(
         decode = cpu_ops().paged_decode_attention if kernels else paged_decode_attention_reference
         attn = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         out[:nd] = attn.view_as(q[:nd])
+    prefill_kernel = kernels and cpu.prefill_attention()
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        if prefill_kernel:
+            attn = cpu_ops().paged_prefill_attention(
+                q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
+            )
+            out[rows] = attn.view_as(q[rows])
+        else:
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out
 
 

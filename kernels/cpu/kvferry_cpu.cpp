@@ -12,12 +12,19 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+using kvferry_cpu::exp8;
+#ifdef KVFERRY_AVX512BF16
+using kvferry_cpu::exp16;
+#endif
 
 constexpr int64_t NB = 16;  // columns per packed block (two 8-float AVX2 registers)
 constexpr int MB = 6;       // rows per register tile: 12 accumulators + 2 weight registers + 1 broadcast
@@ -320,25 +327,6 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += al
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// e^x (Cephes): x clamped to [-87.3, 88.3], the float range; e^x = 2^n * e^r with n = round(x / ln2) and
-// r = x - n ln2 (ln2 split in two for precision); e^r by a degree-5 polynomial (relative error ~2e-7).
-constexpr float EXP_MIN = -87.3f, EXP_MAX = 88.3f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
-                LN2_LO = -2.12194440e-4f;
-constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)), _mm256_set1_ps(EXP_MAX));
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x));
-  __m256 y = _mm256_set1_ps(EXP_POLY[0]);
-  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_POLY[i]));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
-}
-
 // s[i] = e^(s[i] * scale - peak) for i < n; returns their sum
 inline float exp_scaled(float* s, int64_t n, float scale, float peak) {
   const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(peak);
@@ -398,13 +386,6 @@ inline void prefetch_block(const float* k, const float* v, int64_t offset, int64
 #ifdef KVFERRY_AVX512BF16
 // AVX-512 decode attention (this build's CPUs have AVX-512F): D a multiple of 16 up to 128, DV = D / 16
 // registers per row. Same two passes as the AVX2 kernel below, with the partial sums kept in registers.
-
-// e^x for 16 lanes: exp8 on each half (the same result per lane; Zen 4 splits 512-bit math in two anyway)
-inline __m512 exp16(__m512 x) {
-  const __m256 lo = exp8(_mm512_castps512_ps256(x));
-  const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
 
 // lane i = the horizontal sum of v[i], i < 16: a transpose-and-add tree (30 shuffles and 15 adds for 16 sums)
 inline __m512 hsum16(const __m512* v) {

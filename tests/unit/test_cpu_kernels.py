@@ -104,6 +104,26 @@ def test_paged_decode_attention(hq, hkv, d, lens, bs):
     torch.testing.assert_close(out.view_as(expected), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu.prefill_attention(), reason="the AVX-512 build only")
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (16, 4, 32), (32, 4, 128), (24, 2, 64), (3, 1, 16)])
+@pytest.mark.parametrize(
+    ("q_len", "context"), [(1, 1), (5, 5), (17, 17), (1, 40), (7, 33), (40, 100), (16, 64)]
+)
+@pytest.mark.parametrize("bs", [16, 8])
+def test_paged_prefill_attention(hq, hkv, d, q_len, context, bs):
+    """A chunk of q_len tokens after context - q_len cached ones, causal: every query token equals a decode
+    over the keys up to its own position. q is a strided view, as the model passes it (q beside k)."""
+    num_blocks = 40
+    k_cache, v_cache = randn(hkv, num_blocks, bs, d), randn(hkv, num_blocks, bs, d)
+    table = torch.randperm(num_blocks, generator=GEN)[: -(-context // bs) + 1]  # one spare column
+    q = randn(q_len, hq + hkv, d)[:, :hq]
+    out = cpu.ops().paged_prefill_attention(q, k_cache, v_cache, table, context, 0.3)
+    lens = torch.arange(context - q_len + 1, context + 1)
+    tables = table.expand(q_len, -1).contiguous()
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.3)
+    torch.testing.assert_close(out.view_as(expected), expected, rtol=1e-5, atol=1e-5)
+
+
 def moe_inputs(tokens: int, experts: int = 4, hidden: int = 48, inter: int = 32, id_range: int = 6):
     """x [T, H], top-2 ids drawn from 0..id_range-1 (beyond `experts`: someone else's), router weights,
     and unpacked w13 [E, H, 2I] / w2 [E, I, H]."""
