@@ -50,12 +50,13 @@ class BlockManager:
             req.block_keys += block_keys(req.all_token_ids, self.block_size, self.fingerprint, parent, have)
 
     def cached_prefix(self, req: Request) -> list[int]:
-        """Block ids holding the longest cached prefix of req, leaving at least one token to compute."""
+        """Block ids holding the longest cached prefix of req's full blocks (all of them on a full hit:
+        the scheduler then recomputes only the last token)."""
         if not self.enable_caching:
             return []
         self.update_keys(req)
         hit = []
-        for key in req.block_keys[: (req.num_tokens - 1) // self.block_size]:
+        for key in req.block_keys[: req.num_tokens // self.block_size]:
             block_id = self.cached.get(key)
             if block_id is None:
                 break

@@ -38,14 +38,22 @@ class StepInputs:
 
 
 class ModelRunner:
+    """The paged cache holds the block manager's `num_blocks` blocks and one more, the sink (id
+    `num_blocks`, never handed out): a token computed again although its K/V is already cached (a full
+    prefix hit's last token, for its logits) writes its K/V there, and attends over the cached K/V of
+    every position, its own included. So a block registered in the prefix cache is never written: it
+    may be shared by other requests and published in the pool, and a recomputation in another batch
+    shape need not give the same bits. Everything else in the sink is garbage nobody reads."""
+
     def __init__(self, model: Qwen3MoeModel, num_blocks: int, block_size: int, device: torch.device):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.sink_block = num_blocks
         dtype = model.embed.dtype
-        # [L, 2 (K/V), Hkv, num_blocks, block_size, D]: head-major for batched attention reads
-        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks, block_size, cfg.head_dim)
+        # [L, 2 (K/V), Hkv, num_blocks + 1 (the sink), block_size, D]: head-major for batched attention reads
+        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
@@ -61,7 +69,10 @@ class ModelRunner:
             row = len(step.input_ids)
             step.input_ids += req.token_ids(start, n)
             step.positions += range(start, start + n)
-            step.slot_blocks += [req.block_ids[p // bs] for p in range(start, start + n)]
+            cached = req.num_committed_blocks * bs  # K/V already there: never written again
+            step.slot_blocks += [
+                req.block_ids[p // bs] if p >= cached else self.sink_block for p in range(start, start + n)
+            ]
             step.slot_offsets += [p % bs for p in range(start, start + n)]
             if n == 1:
                 step.decode_tables.append(req.block_ids)

@@ -133,7 +133,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
-    num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_committed_blocks: int = 0  # leading blocks full of KV, taken from or offered to the prefix cache
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

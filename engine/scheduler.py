@@ -2,9 +2,12 @@
 
 Each step, running requests go first (a decode needs one token, an unfinished prefill its next chunk),
 then waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and free KV
-blocks allow. When blocks run out, the most recently admitted running request is preempted: its blocks
-are freed and it rejoins the front of the waiting queue to be recomputed (prefix-cache hits make that
-cheap). Queues a request passes through: waiting -> running -> (preempted -> waiting ->) finished.
+blocks allow. An admitted request takes the cached blocks of its prefix and computes the rest; on a
+full hit (every token cached: the length is a multiple of the block size) only its last token is
+computed again, for the logits (the model runner sends that token's K/V to its sink block). When
+blocks run out, the most recently admitted running request is preempted: its blocks are freed and it
+rejoins the front of the waiting queue to be recomputed (prefix-cache hits make that cheap). Queues a
+request passes through: waiting -> running -> (preempted -> waiting ->) finished.
 """
 
 from __future__ import annotations
@@ -73,17 +76,22 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if req.block_ids:  # arrived with its KV (pulled from the pool): resume after it
-                cached, num_cached = [], req.num_computed_tokens
+                cached, num_cached, overlap = [], req.num_computed_tokens, 0
             else:
                 cached = self.blocks.cached_prefix(req)
                 num_cached = len(cached) * self.blocks.block_size
+                # a full hit still computes the last token, for its logits: inside the last cached block
+                overlap = int(num_cached == req.num_tokens)
+                num_cached -= overlap
             n = min(req.num_tokens - num_cached, budget)
-            if not self.blocks.allocate(req, n, cached):
+            if not self.blocks.allocate(req, n - overlap, cached):
                 return
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING and cached:
                 req.num_cached_tokens = num_cached
                 self.blocks.hits += num_cached
+            if cached:  # registered already: the model runner never writes them (see ModelRunner)
+                req.num_committed_blocks = len(cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)

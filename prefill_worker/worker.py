@@ -116,7 +116,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         job.req, job.started = req, time.perf_counter()
         self.jobs[req.request_id] = job
         bm = e.block_manager
-        usable = (req.num_prompt_tokens - 1) // bm.block_size  # leave one token to compute for the logits
+        usable = req.num_prompt_tokens // bm.block_size  # all full blocks: a full hit computes the last token
         if usable == 0 or not bm.enable_caching:
             e.submit(req)
             return

@@ -128,7 +128,7 @@ class PrefillRouting:
         if not candidates:
             return None
         block_size = self.directory.model.block_size
-        usable = (num_tokens - 1) // block_size  # a worker computes at least the last token
+        usable = num_tokens // block_size  # every full block can hit: a full hit computes the last token
         estimates = [self._estimate(m, keys, pooled, usable, num_tokens) for m in candidates]
         if self.cfg.mode == "least-load":
             chosen = pick_excluding(self.directory, "prefill", set(tried))
@@ -140,12 +140,14 @@ class PrefillRouting:
             best, reason = self._best(estimates)
         record = self._record(best.member)
         record.add(keys)
+        hit = min((best.local + best.pool) * block_size, num_tokens - 1)  # as the worker counts it
+        local = min(best.local * block_size, hit)
         return Choice(
             worker=best.member,
             reason=reason,
-            local_tokens=best.local * block_size,
-            pool_tokens=best.pool * block_size,
-            compute_tokens=num_tokens - (best.local + best.pool) * block_size,
+            local_tokens=local,
+            pool_tokens=hit - local,
+            compute_tokens=num_tokens - hit,
             keys=tuple(keys),
         )
 
@@ -188,7 +190,7 @@ class PrefillRouting:
         )
         block_size = self.directory.model.block_size
         pulled = (near * self.cfg.same_host_pull_cost + (pool - near) * self.cfg.pull_cost) * block_size
-        prefill_cost = num_tokens - (local + pool) * block_size + pulled
+        prefill_cost = max(1, num_tokens - (local + pool) * block_size) + pulled
         return _Estimate(member, local, pool, prefill_cost, prefill_cost + member.inflight_tokens)
 
     def _record(self, member: Member) -> CacheRecord:

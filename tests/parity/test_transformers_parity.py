@@ -112,6 +112,19 @@ def test_after_prefix_cache_hit(checkpoint, prompts, reference):
     assert engine.block_manager.hits - before == 2 * 48  # both reuse the shared 3 blocks
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_identical_repeats_compute_only_what_is_not_cached(checkpoint, prompts, reference, kernels):
+    """Every prompt again: its full blocks all hit, so it computes its partial tail, or its last token
+    alone when the length is a multiple of the block size (prompts[3]: 64 tokens; the K/V of that token
+    goes to the sink block). Staggered with a small budget, so full hits share steps with chunks."""
+    engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7)
+    assert run_all(engine, prompts) == reference
+    before = engine.block_manager.hits
+    assert run_all(engine, prompts, stagger=2) == reference
+    tails = [len(p) % 16 or 1 for p in prompts]
+    assert engine.block_manager.hits - before == sum(len(p) for p in prompts) - sum(tails)
+
+
 def test_after_preemption_and_recompute(checkpoint, prompts, reference):
     # 16 blocks of 16 tokens cannot hold 8 requests of up to ~100 tokens: some must be preempted
     engine = make_engine(checkpoint, num_kv_blocks=16, max_model_len=256, enable_prefix_caching=False)

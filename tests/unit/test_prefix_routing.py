@@ -85,14 +85,16 @@ def test_a_shared_prefix_goes_where_it_was_sent_and_the_hit_is_predicted():
     assert (choice.local_tokens, choice.pool_tokens, choice.compute_tokens) == (36, 4, 1)
 
 
-def test_the_last_token_is_always_computed():
+def test_a_full_hit_computes_only_the_last_token():
     d = directory(("p0", "h0"))
     routing = PrefillRouting(RoutingConfig(), d)
-    ids = prompt(1, 16)  # exactly 4 blocks: the worker uses 3 cached and computes the last block
+    ids = prompt(1, 16)  # exactly 4 blocks, all cached: the worker recomputes the last token only
     send(routing, ids)
     choice = send(routing, ids, pooled(keys_of(ids)))
     assert choice.reason == "only_choice"
-    assert (choice.local_tokens, choice.pool_tokens, choice.compute_tokens) == (12, 0, 4)
+    assert (choice.local_tokens, choice.pool_tokens, choice.compute_tokens) == (15, 0, 1)
+    tail = send(routing, ids + prompt(2, 2), pooled(keys_of(ids)))  # 4 blocks cached + a 2-token tail
+    assert (tail.local_tokens, tail.pool_tokens, tail.compute_tokens) == (16, 0, 2)
 
 
 def test_load_outweighs_a_small_prefix_and_the_balance_guard_caps_a_hot_one():
@@ -176,7 +178,7 @@ def test_least_load_mode_ignores_the_caches_but_still_predicts():
     assert second.worker is not first.worker and second.reason == "load" and second.local_tokens == 0
     first.worker.inflight, second.worker.inflight = 0, 1
     third = send(routing, ids)
-    assert third.worker is first.worker and third.local_tokens == 36
+    assert third.worker is first.worker and third.local_tokens == 39  # a full hit: all but the last token
     with pytest.raises(ValueError, match="routing mode"):
         PrefillRouting(RoutingConfig(mode="random"), d)
 
@@ -194,10 +196,10 @@ def test_metrics_count_decisions_and_compare_predicted_with_actual_hits():
     send(routing, ids)
     choice = send(routing, ids, pooled(keys_of(ids)[:2]))
     metrics.routed(choice)
-    metrics.prefilled(choice, (36, 0))
+    metrics.prefilled(choice, (39, 0))
     text = metrics.exposition().decode()
     assert 'kvferry:routing_decisions_total{model_name="m",reason="prefix"} 1.0' in text
     assert 'kvferry:routing_decisions_total{model_name="m",reason="pool_locality"} 0.0' in text
-    assert 'kvferry:routing_predicted_hit_tokens_sum{model_name="m",source="local"} 36.0' in text
-    assert 'kvferry:routing_actual_hit_tokens_sum{model_name="m",source="local"} 36.0' in text
+    assert 'kvferry:routing_predicted_hit_tokens_sum{model_name="m",source="local"} 39.0' in text
+    assert 'kvferry:routing_actual_hit_tokens_sum{model_name="m",source="local"} 39.0' in text
     assert 'kvferry:routing_actual_hit_tokens_sum{model_name="m",source="pool"} 0.0' in text

@@ -218,10 +218,23 @@ def test_random_workload_keeps_kv_consistent_and_leaks_nothing():
         reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 6))))
     d.add(*reqs)
 
+    full_hits = []
+
     def write_kv(batch: ScheduledBatch) -> None:
+        """What the model runner writes: a position in a block taken from the prefix cache (a full
+        hit's last token) goes to the sink, so here it must already hold that token."""
         for req, n in batch.work:
             for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                kv[req.block_ids[pos // BS]][pos % BS] = req.all_token_ids[pos]
+                slot = req.block_ids[pos // BS], pos % BS
+                if pos < req.num_committed_blocks * BS:
+                    assert (
+                        n == 1
+                        and pos == req.num_tokens - 1
+                        and kv[slot[0]][slot[1]] == req.all_token_ids[pos]
+                    )
+                    full_hits.append(req)
+                else:
+                    kv[slot[0]][slot[1]] = req.all_token_ids[pos]
 
     d.on_batch = write_kv
     for _ in range(1000):
@@ -235,4 +248,34 @@ def test_random_workload_keeps_kv_consistent_and_leaks_nothing():
             d.sched.finish(rng.choice(d.sched.running), RequestStatus.FINISHED_ABORTED)
     assert not d.sched.has_unfinished() and all(r.is_finished for r in reqs)
     assert d.bm.num_free_blocks == d.bm.num_blocks
-    assert any(r.num_preemptions for r in reqs) and d.bm.hits > 0  # both paths were exercised
+    assert any(r.num_preemptions for r in reqs) and d.bm.hits > 0 and full_hits  # every path was exercised
+
+
+def test_full_prefix_hit_computes_only_the_last_token_inside_the_cached_blocks():
+    d = Driver(num_blocks=8)
+    a = make_req("a", 8, base=0, max_tokens=1)
+    d.add(a)
+    d.run()
+    cached = [d.bm.cached[key] for key in a.block_keys[:2]]
+    again = make_req("again", 8, base=0, max_tokens=2)  # every token cached: 2 full blocks
+    d.add(again)
+    first = d.step()
+    assert first.work == [(again, 1)] and again.output_token_ids == [9000]
+    assert again.num_cached_tokens == 7 and again.num_committed_blocks == 2
+    assert again.block_ids == cached  # no block of its own for the prompt: the last token writes none
+    d.step()  # its first decode (position 8) takes a fresh block
+    assert again.is_finished and len(again.output_token_ids) == 2
+    assert d.bm.hits == 7
+
+
+def test_prompt_with_a_partial_tail_computes_the_tail_after_all_full_blocks():
+    d = Driver(num_blocks=8)
+    d.add(make_req("a", 8, base=0, max_tokens=1))
+    d.run()
+    one, three = make_req("one", 9, base=0), make_req("three", 11, base=0)
+    d.add(one, three)
+    batch = d.step()
+    assert batch.work == [(one, 1), (three, 3)]
+    assert one.num_cached_tokens == three.num_cached_tokens == 8
+    assert one.block_ids[:2] == three.block_ids[:2] and one.block_ids[2] != three.block_ids[2]
+    d.run()
