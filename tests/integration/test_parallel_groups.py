@@ -191,9 +191,28 @@ def test_tp_prefill_pulls_a_prefix_from_the_pool(
                     client.generate(greedy(random_prompt(900 + seed, 60), 2), timeout=120)
                 before = sum(s.pool_hit_tokens for s in members.stats("prefill").values())
                 assert client.generate(greedy(prompts[7], NEW_TOKENS), timeout=120).token_ids == reference[7]
+                (stats,) = members.stats("prefill").values()
+                assert stats.tensor_parallel_size == 2
+                assert stats.pool_hit_tokens - before >= 48  # the shared 3 blocks came from the pool
+
+                def counts() -> tuple[int, int, int]:
+                    (s,) = members.stats("prefill").values()
+                    return s.local_hit_tokens, s.pool_hit_tokens, s.prompt_tokens_computed
+
+                # a full hit (32 tokens: 2 full blocks) computes only the last token on every rank, whether
+                # the blocks are in the group's own cache or come back from the pool
+                full = prompts[4]
+                assert client.generate(greedy(full, NEW_TOKENS), timeout=120).token_ids == reference[4]
+                start_counts = counts()
+                assert client.generate(greedy(full, NEW_TOKENS), timeout=120).token_ids == reference[4]
+                local = counts()
+                assert [b - a for a, b in zip(start_counts, local, strict=True)] == [31, 0, 1]
+                for seed in range(3):
+                    client.generate(greedy(random_prompt(950 + seed, 60), 2), timeout=120)
+                flushed = counts()
+                assert client.generate(greedy(full, NEW_TOKENS), timeout=120).token_ids == reference[4]
+                assert [b - a for a, b in zip(flushed, counts(), strict=True)] == [0, 31, 1]
             (stats,) = members.stats("prefill").values()
-            assert stats.tensor_parallel_size == 2
-            assert stats.pool_hit_tokens - before >= 48  # the shared 3 blocks came from the pool
             assert stats.free_blocks == stats.total_blocks  # nothing held after the answers
         finally:
             members.close()
