@@ -2,16 +2,18 @@
 
 Starts a redis-server and a pool node process, then in this process plays a prefill worker (a paged KV
 cache whose blocks are packed and put into the pool in request-sized batches) and a decode worker (a
-second client with its own pair group, getting the blocks back and unpacking them into its own paged
-cache). Puts are pipelined (put_async: the next transfer's RPC goes out while earlier data is on the
-wire); gets are one at a time, as a decode worker pulls one request's blocks. In the same run it
-measures the baselines on the same bytes: raw gloo send/recv to a helper process over a pair group
-made the same way, in messages of the pool's message size (min(batch, CHUNK_BYTES)), preallocated
-buffers both ends, no pool logic; and memcpy. Every figure counts payload bytes once.
+second client, getting the blocks back into its own paged cache with `pull_into_cache`), twice: over
+the pair group (gloo; the clients told not to map the node's slab) and through the node's shared slab
+(same host: memcpy, no socket). Puts are pipelined (put_async returns once the data is handed over);
+gets are one at a time, as a decode worker pulls one request's blocks. In the same run it measures the
+baselines on the same bytes: raw gloo send/recv to a helper process over a pair group made the same
+way, one message per transfer (its batch of blocks), preallocated buffers both ends, no pool logic;
+and memcpy of the whole cache. Every figure counts payload bytes once.
 
-    python bench/kv_transfer.py [--total-mb 256] [--batch-blocks 64] [--repeats 3]
+    python bench/kv_transfer.py [--total-mb 256] [--batch-blocks 64] [--repeats 3] [--block-size 16]
 
-Last line JSON: pool_put_gbps, pool_get_gbps, raw_gloo_gbps, memcpy_gbps, put_ratio, get_ratio.
+Last line JSON: pool_put_gbps, pool_get_gbps (gloo), shm_put_gbps, shm_get_gbps, raw_gloo_gbps,
+memcpy_gbps, put_ratio, get_ratio (vs raw gloo), shm_put_ratio, shm_get_ratio (vs memcpy).
 """
 
 from __future__ import annotations
@@ -32,15 +34,7 @@ from common import bench_model_dir, print_result
 from kvferry.deploy.local import redis_server_argv, wait_for_redis
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.kvpool.transfer import (
-    CHUNK_BYTES,
-    BlockLayout,
-    make_pair_group,
-    pack_blocks,
-    recv,
-    send,
-    unpack_blocks,
-)
+from kvferry.kvpool.transfer import BlockLayout, make_pair_group, pack_blocks, recv, send
 from kvferry.model.config import ModelConfig
 from kvferry.proc import free_port
 
@@ -78,6 +72,39 @@ def measure_raw_gloo(nbytes: int, count: int) -> tuple[float, float]:
     return nbytes * count / t_send / 1e9, nbytes * count / t_recv / 1e9
 
 
+def measure_pool(
+    prefill, decode, src_cache, dst_cache, batch_blocks: int, tag: bytes, bar
+) -> tuple[float, float]:
+    """(put GB/s, get GB/s) of every block of `src_cache` through the pool into `dst_cache` (checked)."""
+    n_blocks = src_cache.shape[3]
+    total = src_cache.numel() * src_cache.element_size()
+    ids = list(range(n_blocks))
+    batches = [ids[b : b + batch_blocks] for b in range(0, n_blocks, batch_blocks)]
+    keys = [tag + i.to_bytes(14, "little") for i in ids]
+    pending = []
+    t = time.perf_counter()
+    for chunk in batches:  # pipelined: the next put starts while earlier answers are on their way
+
+        def fill(first: int, count: int, out: torch.Tensor, chunk=chunk) -> None:
+            pack_blocks(src_cache, chunk[first : first + count], out=out)
+
+        pending.append(prefill.put_async("put", [keys[i] for i in chunk], fill))
+        bar.update()
+    locations = [loc for p in pending for loc in p.result()]
+    put_gbps = total / (time.perf_counter() - t) / 1e9
+    assert all(loc is not None for loc in locations), "the pool refused blocks"
+    dst_cache.zero_()
+    t = time.perf_counter()
+    for chunk in batches:
+        served = decode.pull_into_cache("get", locations[chunk[0] : chunk[-1] + 1], dst_cache, chunk)
+        assert served == len(chunk), f"{served} of {len(chunk)} blocks served"
+        bar.update()
+    get_gbps = total / (time.perf_counter() - t) / 1e9
+    if not torch.equal(dst_cache, src_cache):
+        raise SystemExit("KV read back from the pool differs from what was written")
+    return put_gbps, get_gbps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--total-mb", type=int, default=256)
@@ -86,10 +113,11 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the pool's per-block work)")
     args = ap.parse_args()
 
     cfg = ModelConfig.from_dir(bench_model_dir())
-    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, 16, cfg.head_dim, args.dtype)
+    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, args.dtype)
     n_blocks = args.total_mb * 2**20 // layout.block_bytes
     n_blocks -= n_blocks % args.batch_blocks
     total = n_blocks * layout.block_bytes
@@ -116,71 +144,51 @@ def main() -> None:
                 "--layout",
                 ",".join(map(str, layout.to_list())),
                 "--num-slots",
-                str(n_blocks + 16),
+                str(n_blocks + 1024),  # a rep's blocks and the clients' reservations
             ]
         )
     )
     try:
-        prefill = PoolClient(MetadataStore(url), layout, peer_id="bench-prefill")
-        decode = PoolClient(MetadataStore(url), layout, peer_id="bench-decode")
-        if not wait_for_nodes(prefill, 1, 60):
+        clients = {}
+        for transport in ("gloo", "shm"):
+            shm = transport == "shm"
+            meta = MetadataStore(url)
+            clients[transport] = [
+                PoolClient(meta, layout, peer_id=f"bench-{role}-{transport}", shm=shm)
+                for role in ("put", "get")
+            ]
+        if not wait_for_nodes(clients["gloo"][0], 1, 60):
             raise SystemExit("the pool node did not register")
         dt = layout.torch_dtype
         shape = (layout.num_layers, 2, layout.num_kv_heads, n_blocks, layout.block_size, layout.head_dim)
         src_cache = torch.randn(shape, dtype=torch.float32).to(dt)
         dst_cache = torch.zeros(shape, dtype=dt)
-        ids = list(range(n_blocks))
-        # warm up both pair groups (connection set-up is not bandwidth)
-        warm = prefill.put("warm", [b"w" * 16], pack_blocks(src_cache, [0]), private=[True])
-        decode.get("warm", warm)
-        put_best = get_best = memcpy_best = 0.0
-        bar = tqdm(total=args.repeats * 2 * batches, desc="transfers", unit="batch", file=sys.stderr)
+        best = {}
+        bar = tqdm(total=args.repeats * 4 * batches, desc="transfers", unit="batch", file=sys.stderr)
         for rep in range(args.repeats):
-            keys = [bytes([rep]) + i.to_bytes(15, "little") for i in ids]
-            pending = []
-            t = time.perf_counter()
-            for b in range(batches):  # puts are pipelined: the next starts while a reply is in flight
-                chunk = ids[b * args.batch_blocks : (b + 1) * args.batch_blocks]
-                pending.append(
-                    prefill.put_async(
-                        f"put-{rep}",
-                        [keys[i] for i in chunk],
-                        lambda first, count, out, chunk=chunk: pack_blocks(
-                            src_cache, chunk[first : first + count], out=out
-                        ),
+            for i, (transport, (prefill, decode)) in enumerate(clients.items()):
+                if rep == 0:  # connection set-up and the first reservation are not bandwidth
+                    warm = prefill.put(
+                        "warm", [bytes([255, i]) * 8], pack_blocks(src_cache, [0]), private=[True]
                     )
+                    decode.get("warm", warm)
+                tag = bytes([rep, i])
+                put_gbps, get_gbps = measure_pool(
+                    prefill, decode, src_cache, dst_cache, args.batch_blocks, tag, bar
                 )
-                bar.update()
-            locations = [loc for p in pending for loc in p.result()]
-            put_best = max(put_best, total / (time.perf_counter() - t) / 1e9)
-            assert all(loc is not None for loc in locations), "the pool refused blocks"
-            t = time.perf_counter()
-            for b in range(batches):
-                chunk = ids[b * args.batch_blocks : (b + 1) * args.batch_blocks]
-                decode.get_into(
-                    f"get-{rep}",
-                    locations[chunk[0] : chunk[-1] + 1],
-                    lambda first, data, chunk=chunk: unpack_blocks(
-                        dst_cache, chunk[first : first + data.shape[0]], data
-                    ),
-                )
-                bar.update()
-            get_best = max(get_best, total / (time.perf_counter() - t) / 1e9)
-            if not torch.equal(dst_cache, src_cache):
-                raise SystemExit("KV read back from the pool differs from what was written")
+                old = best.get(transport, (0.0, 0.0))
+                best[transport] = (max(old[0], put_gbps), max(old[1], get_gbps))
             dst_cache.zero_()
             t = time.perf_counter()
             dst_cache.copy_(src_cache)
-            memcpy_best = max(memcpy_best, total / (time.perf_counter() - t) / 1e9)
+            best["memcpy"] = max(best.get("memcpy", 0.0), total / (time.perf_counter() - t) / 1e9)
         bar.close()
-        # the pool moves a transfer in messages of at most CHUNK_BYTES: the baseline sends the same bytes
-        # in messages of the same size
-        message_blocks = min(args.batch_blocks, max(1, CHUNK_BYTES // layout.block_bytes))
         raw = 0.0
-        for _ in range(args.repeats):
-            raw = max(raw, *measure_raw_gloo(message_blocks * layout.block_bytes, n_blocks // message_blocks))
-        prefill.close()
-        decode.close()
+        for _ in range(args.repeats):  # the same bytes, one message per transfer
+            raw = max(raw, *measure_raw_gloo(args.batch_blocks * layout.block_bytes, batches))
+        for pair in clients.values():
+            for c in pair:
+                c.close()
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -190,17 +198,22 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    (put, get), (shm_put, shm_get), memcpy = best["gloo"], best["shm"], best["memcpy"]
     print_result(
         {
             "total_mb": round(total / 2**20),
             "batch_blocks": args.batch_blocks,
             "block_bytes": layout.block_bytes,
-            "pool_put_gbps": round(put_best, 3),
-            "pool_get_gbps": round(get_best, 3),
+            "pool_put_gbps": round(put, 3),
+            "pool_get_gbps": round(get, 3),
+            "shm_put_gbps": round(shm_put, 3),
+            "shm_get_gbps": round(shm_get, 3),
             "raw_gloo_gbps": round(raw, 3),
-            "memcpy_gbps": round(memcpy_best, 3),
-            "put_ratio": round(put_best / raw, 3),
-            "get_ratio": round(get_best / raw, 3),
+            "memcpy_gbps": round(memcpy, 3),
+            "put_ratio": round(put / raw, 3),
+            "get_ratio": round(get / raw, 3),
+            "shm_put_ratio": round(shm_put / memcpy, 3),
+            "shm_get_ratio": round(shm_get / memcpy, 3),
         }
     )
 

@@ -38,9 +38,24 @@ def main(argv: list[str] | None = None) -> int:
         help="free a request's private tail block this long after it was written if nobody read or "
         "released it (its router died before the decode started)",
     )
+    p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="keep the slab in private memory: clients on this host then use the pair group too",
+    )
+    p.add_argument(
+        "--reserve-ttl-s",
+        type=float,
+        default=PoolNodeConfig.reserve_ttl_s,
+        help="slots a client reserved go back to the pool this long after its last reserve or put",
+    )
     args = p.parse_args(argv)
     if args.private_ttl_s <= 0:
         p.error("--private-ttl-s must be > 0")
+    if args.reserve_ttl_s <= 2 * args.transfer_timeout_s:
+        p.error(
+            "--reserve-ttl-s must exceed twice --transfer-timeout-s (a client writes only in its first half)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pool %(levelname)s %(message)s")
     layout = BlockLayout.from_list(args.layout.split(","))
     cfg = PoolNodeConfig(
@@ -54,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace,
         transfer_timeout_s=args.transfer_timeout_s,
         private_ttl_s=args.private_ttl_s,
+        reserve_ttl_s=args.reserve_ttl_s,
+        shm=not args.no_shm,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

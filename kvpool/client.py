@@ -1,23 +1,30 @@
 """The pool client used by workers (put / get blocks) and the router (prefix lookup).
 
 One `PoolClient` per process. It finds nodes in the Redis registry (caching what it learned, so a
-Redis outage does not lose the addresses of nodes it already talks to), connects a pair group to each
-node the first time it needs it, and runs at most one transfer at a time per node (transfers on one
-pair group are ordered by a lock and told apart by tags).
+Redis outage does not lose the addresses of nodes it already talks to) and moves KV without an RPC
+per transfer:
+- Puts name slots the client reserved ahead (`Reserve`: one control call per batch of
+  `reserve_blocks`, a lease the node renews on every put and takes back when the client stops using it).
+- To a node on this host that advertises its shared slab (`shm.py`; same boot id, the file opens), a
+  put is one memcpy into the reserved slots and a COMMIT header on the pair group (answered
+  asynchronously, as a put's), and a get is a lock-free memcpy out of the slab checked against the
+  slot generations (no RPC, no socket; `Consumed` only for private blocks read whole). A client that
+  cannot map the file, or `shm=False`, uses the pair group.
+- Otherwise the pair group to the node (`dataplane.PairLink`: made the first time it is needed, NCCL
+  when both ends keep blocks on CUDA, gloo otherwise) carries a tensor header and the data. Its
+  transfers run in tag order on one thread per node, so a put returns once its data is handed over
+  and the node's answer (the locations) resolves its future later.
 
-No caller waits on a node longer than `transfer_timeout_s` (connecting, the pair group's sends and
-receives, the RPCs, the wait for its turn): a node that died or hangs turns a get into a miss (the
-caller recomputes) and a put into blocks not stored, and the pair group is dropped, to be made again
-on the next use (a node that refused a connection is not tried again for `RETRY_S`).
+No caller waits on a node longer than `transfer_timeout_s` (connecting, reserving, the pair group's
+sends and receives, the answers, the wait for its turn): a node that died or hangs turns a get into a
+miss (the caller recomputes) and a put into blocks not stored, and the pair group is dropped, to be made
+again on the next use (a node that refused a connection is not tried again for `RETRY_S`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import queue
-import socket
 import threading
 import time
 import uuid
@@ -26,53 +33,39 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-import torch.distributed as dist
 
+from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, PairLink, PoolError, Put
 from kvferry.kvpool.metadata import Location, MetadataStore
 from kvferry.kvpool.node import NODE_ROLE
-from kvferry.kvpool.transfer import (
-    CHUNK_BYTES,
-    BlockLayout,
-    Staging,
-    chunk_plan,
-    make_pair_group,
-    next_tag,
-    recv,
-    recv_stream,
-    send_stream,
-    unpack_blocks,
-)
+from kvferry.kvpool.shm import SharedSlab, boot_id
+from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
+__all__ = ["PoolClient", "PoolError", "from_proto", "to_proto", "wait_for_nodes"]
+
 log = logging.getLogger(__name__)
 
-RETRY_S = 2.0  # after a failed connect, a node is not tried again for this long
-
-
-class PoolError(RuntimeError):
-    """A pool node could not be reached or refused a transfer."""
+RESERVE_BLOCKS = 256  # slots reserved per Reserve call (at most a sixteenth of the node's slab)
 
 
 @dataclass
 class _Node:
     node_id: str
-    addr: str
-    store_addr: str
-    device: str
-    layout: BlockLayout
     channel: grpc.Channel
     stub: pool_pb2_grpc.KVPoolStub
-    staging: Staging
-    group: dist.ProcessGroup | None = None
-    group_name: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    next_tag: int = 1
-    # the data plane: one thread per node runs the transfers in tag order (the order the node expects),
-    # so a caller can issue the next transfer's RPC while earlier ones are still on the wire
-    jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    worker: threading.Thread | None = None
-    down_until: float = 0.0  # a connect failed: fail fast until then
+    link: PairLink  # the pair group: used when the slab is not mapped
+    num_slots: int
+    shm: SharedSlab | None = None  # the node's slab, mapped: this client is on the node's host
+    shm_path: str = ""  # the slab file last advertised (mapped, or failed to map)
+    shm_staging: Staging | None = None  # for KV-head slices written through shm (under shm_lock)
+    shm_lock: threading.Lock = field(default_factory=threading.Lock)
+    # slots reserved for this client's puts, lowest first, usable until `reserved_until` (half the lease)
+    reserve_lock: threading.Lock = field(default_factory=threading.Lock)
+    reserved: list[tuple[int, int]] = field(default_factory=list)
+    reserved_until: float = 0.0
+    reserve_ttl_s: float = 0.0
+    refilling: bool = False  # a background Reserve is on its way
 
 
 def to_proto(loc: Location) -> pool_pb2.BlockLocation:
@@ -92,6 +85,8 @@ class PoolClient:
         host: str = "127.0.0.1",
         device: str = "cpu",
         transfer_timeout_s: float = 10.0,
+        shm: bool = True,
+        reserve_blocks: int = RESERVE_BLOCKS,
     ):
         self.meta = meta
         self.layout = layout
@@ -99,6 +94,10 @@ class PoolClient:
         self.host = host
         self.device = torch.device(device)
         self.transfer_timeout_s = transfer_timeout_s
+        self.use_shm = shm and self.device.type == "cpu"
+        self.reserve_blocks = reserve_blocks
+        # background reservations: blocking calls off the caller's thread
+        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-control")
         self.nodes: dict[str, _Node] = {}
         self._known: dict[str, dict] = {}  # node id -> last registry record seen
         self._known_at = -1e9
@@ -116,6 +115,9 @@ class PoolClient:
             if members is not None:
                 with self._lock:
                     self._known, self._known_at = members, now
+                    nodes = list(self.nodes.values())
+                for node in nodes:  # a node gone (or restarted) from this host: drop (or remap) its slab
+                    self._remap(node, members.get(node.node_id))
         return dict(self._known)
 
     def pick_node(self) -> str:
@@ -138,88 +140,44 @@ class PoolClient:
         if layout != self.layout:
             raise PoolError(f"pool node {node_id} stores {layout}, this worker needs {self.layout}")
         channel = rpc_channel(info["addr"])
-        node = _Node(
+        stub = pool_pb2_grpc.KVPoolStub(channel)
+        link = PairLink(
             node_id,
-            info["addr"],
             info["store"],
             info["device"],
-            layout,
-            channel,
-            pool_pb2_grpc.KVPoolStub(channel),
-            Staging(self.layout.torch_dtype, self.device),
+            stub,
+            self.layout,
+            self.peer_id,
+            self.host,
+            self.device,
+            self.transfer_timeout_s,
         )
+        node = _Node(node_id, channel, stub, link, int(info.get("num_slots", 0)))
+        self._remap(node, info)
+        node.shm_staging = Staging(self.layout.torch_dtype, self.device)
         with self._lock:
+            if node_id in self.nodes:  # another thread made it meanwhile
+                link.close()
+                channel.close()
             node = self.nodes.setdefault(node_id, node)
         return node
 
-    @contextlib.contextmanager
-    def _locked(self, node: _Node):
-        """Hold `node.lock`, waiting no longer than the transfer timeout (another caller may be stuck
-        connecting to a node that hangs)."""
-        if not node.lock.acquire(timeout=self.transfer_timeout_s):
-            raise PoolError(f"pool node {node.node_id} is busy past {self.transfer_timeout_s}s (hung?)")
-        try:
-            yield
-        finally:
-            node.lock.release()
-
-    def _connect(self, node: _Node) -> dist.ProcessGroup:
-        """The pair group with `node` (caller holds node.lock); made on first use."""
-        if node.group is not None:
-            return node.group
-        if time.monotonic() < node.down_until:
-            raise PoolError(f"pool node {node.node_id} refused a connection less than {RETRY_S}s ago")
-        backend = "nccl" if self.device.type == "cuda" and node.device == "cuda" else "gloo"
-        name = f"{self.peer_id}/{uuid.uuid4().hex[:8]}"
-        timeout = self.transfer_timeout_s
-        deadline = time.monotonic() + timeout
-        reply = None
-        try:
-            host, port = node.store_addr.rsplit(":", 1)
-            # a dead node refuses at once, but TCPStore would retry until its timeout (and past it)
-            socket.create_connection((host, int(port)), timeout=min(timeout, 2.0)).close()
-            joined = self._join(host, int(port), name, backend)
-            reply = node.stub.Connect.future(
-                pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
-                timeout=timeout,
-            )
-            group = joined.result(timeout=max(0.0, deadline - time.monotonic()))
-            reply.result(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception as err:  # store unreachable, peer never joined, RPC failed: the node is down
-            if reply is not None:
-                reply.cancel()
-            node.down_until = time.monotonic() + RETRY_S
-            if isinstance(err, concurrent.futures.TimeoutError):
-                err = TimeoutError(f"no pair group after {timeout}s")
-            raise PoolError(f"cannot connect to pool node {node.node_id}: {err}") from err
-        node.group, node.group_name, node.next_tag = group, name, 1
-        return group
-
-    def _join(self, host: str, port: int, name: str, backend: str) -> concurrent.futures.Future:
-        """Join pair group `name` through the node's store, on a thread of its own: a TCPStore client
-        whose server hangs (accepts, never answers) waits past any timeout, so the caller waits on the
-        future (bounded) and a join that finishes after the caller gave up is dropped."""
-        joined: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            timeout = self.transfer_timeout_s
+    def _remap(self, node: _Node, info: dict | None) -> None:
+        """Map the node's shared slab when its registry record advertises one on this host (same boot)
+        and it opens; unmap it when the node left the registry (its slab dies with it)."""
+        path = info.get("shm", "") if info is not None and info.get("boot_id") == boot_id() else ""
+        if not self.use_shm or path == node.shm_path:
+            return
+        node.shm, node.shm_path = None, path
+        if path:
             try:
-                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout))
-                joined.set_result(make_pair_group(store, name, 1, backend, self.host, timeout))
-            except Exception as err:
-                joined.set_exception(err)
+                node.shm = SharedSlab.open(path, self.layout, int(info["num_slots"]))
+            except (OSError, ValueError, RuntimeError) as err:
+                log.warning(
+                    "pool node %s: shared slab unusable (%s), using its pair group", node.node_id, err
+                )
 
-        threading.Thread(target=run, name=f"kv-join-{name}", daemon=True).start()
-        return joined
-
-    def _fail(self, node: _Node, err: Exception, what: str, group=None) -> PoolError:
-        """Forget the pair group a transfer failed on (caller holds node.lock), unless it was already
-        replaced: a late failure of an old group must not tear down a healthy new one."""
-        if group is None or node.group is group:
-            node.group, node.group_name, node.next_tag = None, "", 1
-        return PoolError(f"{what} on pool node {node.node_id} failed: {err}")
-
-    # -- data -----------------------------------------------------------------------------------------
+    # -- puts ---------------------------------------------------------------------------------------
     def put(self, *args, **kwargs) -> list[Location | None]:
         """`put_async(...).result()`."""
         return self.put_async(*args, **kwargs).result()
@@ -236,102 +194,108 @@ class PoolClient:
     ) -> concurrent.futures.Future:
         """Store blocks under `keys`; a future of the location of each (None = not stored: pool full).
 
-        Returns once the data is sent: the node's reply (the locations) completes the future later,
-        so the next transfer to the node can start meanwhile (the node runs a peer's transfers in tag
-        order, so they cannot cross).
+        Returns once the data is sent (copied into a same-host node's slab, or handed to the pair
+        group): the node's answer completes the future later, so the next transfer can start meanwhile.
 
         `data` is either the packed blocks [n, L, 2, heads, bs, D], or `fill(first, count, out)` that packs
-        blocks [first, first + count) into `out` (a reused staging buffer), called chunk by chunk so
-        packing overlaps the wire.
+        blocks [first, first + count) into `out` (the destination slots themselves when they allow it,
+        else a reused staging buffer), called run by run so packing overlaps the wire.
         """
+        head_end = self.layout.num_kv_heads if head_end is None else head_end
+        self.layout.check_heads(head_begin, head_end)
+        private = list(private) or [False] * len(keys)
+        if isinstance(data, torch.Tensor):
+            data = data.contiguous()
+        if len(keys) > MAX_BLOCKS:  # more than one header holds: several transfers
+            parts = []
+            for first in range(0, len(keys), MAX_BLOCKS):
+                end = min(first + MAX_BLOCKS, len(keys))
+                part = data[first:end] if isinstance(data, torch.Tensor) else _offset(data, first)
+                parts.append(
+                    self.put_async(
+                        request_id, keys[first:end], part, private[first:end], node_id, head_begin, head_end
+                    )
+                )
+            return _gather(parts)
         done: concurrent.futures.Future = concurrent.futures.Future()
         if not keys:
             done.set_result([])
             return done
-        head_end = self.layout.num_kv_heads if head_end is None else head_end
-        self.layout.check_heads(head_begin, head_end)
         node = self._node(node_id or self.pick_node())
-        private = list(private) or [False] * len(keys)
-        blocks = [pool_pb2.PutBlock(key=k, private=p) for k, p in zip(keys, private, strict=True)]
-        chunk_blocks = self._chunk_blocks(head_begin, head_end)
-        plan = chunk_plan(len(keys), chunk_blocks)
-
-        def chunk(i: int, first: int, count: int) -> torch.Tensor:
-            if isinstance(data, torch.Tensor):
-                return data[first : first + count]
-            out = node.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
-            data(first, count, out)
-            return out
-
-        with self._locked(node):
-            group = self._connect(node)
-            tag = self._tags(node, len(plan))
-            if isinstance(data, torch.Tensor):
-                data = data.contiguous()
-            request = pool_pb2.PutRequest(
-                group_name=node.group_name,
-                peer_id=self.peer_id,
-                tag=tag,
-                request_id=request_id,
-                blocks=blocks,
-                head_begin=head_begin,
-                head_end=head_end,
-                chunk_blocks=chunk_blocks,
-            )
-            reply = node.stub.Put.future(request, timeout=self.transfer_timeout_s)
-            sent = self._submit(node, group, lambda: send_stream(group, 0, tag + 1, plan, chunk))
-
-        def after_send(job) -> None:
-            err = job.exception()
-            if err is None:
-                reply.add_done_callback(finish)
-                return
-            reply.cancel()
-            with node.lock:
-                done.set_exception(self._fail(node, err, f"put of {len(keys)} blocks", group))
-
-        def finish(call) -> None:
-            try:
-                result = call.result()
-            except grpc.RpcError as err:
-                with node.lock:
-                    failure = self._fail(node, err, f"put of {len(keys)} blocks", group)
-                done.set_exception(failure)
-                return
-            done.set_result([from_proto(loc) if loc.generation else None for loc in result.locations])
-
-        sent.add_done_callback(after_send)
+        named = self._reserve(node, len(keys))
+        put = Put(request_id, list(keys), data, private, named, head_begin, head_end, done)
+        shm = node.shm
+        if shm is not None and len(named) == len(keys):
+            self._put_shm(node, shm, put)
+        else:
+            node.link.put(put)
         return done
 
-    def _submit(self, node: _Node, group, job: Callable[[], object]) -> concurrent.futures.Future:
-        """Queue a transfer on `group` on the node's data-plane thread (caller holds node.lock). A
-        transfer whose pair group was dropped before its turn fails at once: its tags are gone."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def _reserve(self, node: _Node, n: int) -> list[tuple[int, int]]:
+        """Up to `n` of this client's reserved (slot, generation) on `node`. Short of them, it reserves
+        now; running low, it refills in the background, so a put rarely waits for a Reserve."""
+        batch = max(1, min(self.reserve_blocks, node.num_slots // 16))  # holds at most 2 batches
+        with node.reserve_lock:
+            now = time.monotonic()
+            if now >= node.reserved_until:  # the lease may lapse on the node: never write into them
+                node.reserved = []
+            if len(node.reserved) < n:
+                self._add_reserved(node, self._reserve_call(node, max(n - len(node.reserved), batch)), now)
+            taken, node.reserved = node.reserved[:n], node.reserved[n:]
+            node.reserved_until = now + node.reserve_ttl_s / 2  # the node renews it when it sees this put
+            if len(node.reserved) < batch and not node.refilling:
+                node.refilling = True
+                self._control.submit(self._refill, node, batch)
+            return taken
 
-        def run() -> object:
-            if node.group is not group:
-                raise PoolError(f"the pair group with pool node {node.node_id} was dropped")
-            return job()
-
-        node.jobs.put((run, future))
-        if node.worker is None:
-            node.worker = threading.Thread(
-                target=_run_jobs, args=(node.jobs,), name=f"kv-{node.node_id}", daemon=True
-            )
-            node.worker.start()
-        return future
-
-    def _chunk_blocks(self, head_begin: int, head_end: int) -> int:
-        per_block = self.layout.block_bytes * (head_end - head_begin) // self.layout.num_kv_heads
-        return max(1, CHUNK_BYTES // per_block)
+    def _reserve_call(self, node: _Node, count: int) -> pool_pb2.ReserveResponse:
+        try:
+            request = pool_pb2.ReserveRequest(peer_id=self.peer_id, count=count)
+            return node.stub.Reserve(request, timeout=self.transfer_timeout_s)
+        except grpc.RpcError as err:
+            node.link.down_until = time.monotonic() + RETRY_S
+            raise PoolError(f"reserving slots on pool node {node.node_id} failed: {err}") from err
 
     @staticmethod
-    def _tags(node: _Node, messages: int) -> int:
-        """A base tag with room for the header and `messages` data messages after it."""
-        base = node.next_tag
-        node.next_tag = next_tag(base, messages)
-        return base
+    def _add_reserved(node: _Node, reply: pool_pb2.ReserveResponse, asked_at: float) -> None:
+        """Merge a Reserve's slots in (lowest first: runs of slots stay contiguous); the call renewed
+        the whole lease at the node."""
+        node.reserved = sorted(node.reserved + list(zip(reply.slots, reply.generations, strict=True)))
+        node.reserve_ttl_s = reply.ttl_s
+        node.reserved_until = max(node.reserved_until, asked_at + reply.ttl_s / 2)
 
+    def _refill(self, node: _Node, count: int) -> None:
+        asked_at = time.monotonic()
+        try:
+            reply = self._reserve_call(node, count)
+        except PoolError as err:  # the next put reserves for itself
+            log.warning("%s", err)
+            reply = None
+        with node.reserve_lock:
+            node.refilling = False
+            if reply is not None:
+                if time.monotonic() >= node.reserved_until:
+                    node.reserved = []
+                self._add_reserved(node, reply, asked_at)
+
+    def _put_shm(self, node: _Node, shm: SharedSlab, put: Put) -> None:
+        """Copy the blocks into their reserved slots of the node's slab, then commit them (async)."""
+        slab, (hb, he) = shm.slab, (put.head_begin, put.head_end)
+        full = (hb, he) == (0, self.layout.num_kv_heads)
+        with node.shm_lock:
+            for pos, slot0, length in runs([slot for slot, _ in put.named]):
+                dest = slab[slot0 : slot0 + length, :, :, hb:he]
+                if isinstance(put.data, torch.Tensor):
+                    dest.copy_(put.data[pos : pos + length])
+                elif full:  # the slots are contiguous blocks: pack straight into them
+                    put.data(pos, length, dest)
+                else:
+                    staged = node.shm_staging.view(self.layout.slice_shape(length, hb, he))
+                    put.data(pos, length, staged)
+                    dest.copy_(staged)
+        node.link.put(put, commit=True)
+
+    # -- gets ---------------------------------------------------------------------------------------
     def get(
         self,
         request_id: str,
@@ -341,12 +305,14 @@ class PoolClient:
     ) -> torch.Tensor:
         """The leading still-valid blocks of `locations`, copied out: [n_served, L, 2, heads, bs, D]."""
         parts: list[torch.Tensor] = []
-        self.get_into(request_id, locations, lambda _, data: parts.append(data.clone()), head_begin, head_end)
+        n = self.get_into(
+            request_id, locations, lambda _, data: parts.append(data.clone()), head_begin, head_end
+        )
         if not parts:
             head_end = self.layout.num_kv_heads if head_end is None else head_end
             shape = self.layout.slice_shape(0, head_begin, head_end)
             return torch.empty(shape, dtype=self.layout.torch_dtype, device=self.device)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.cat(parts)[:n]  # a same-host read may have copied blocks it then found stale
 
     def get_into(
         self,
@@ -358,21 +324,33 @@ class PoolClient:
     ) -> int:
         """Fetch the leading blocks of `locations` that are still valid; returns how many.
 
-        `consume(first_index, data)` is called once per transfer with a view of a reused receive
-        buffer ([n, L, 2, heads, bs, D]) that is only valid during the call: copy it where it belongs.
-        Consecutive blocks on one node move in one transfer; it stops at the first block a node no
-        longer holds (evicted, or metadata that went stale), so the caller recomputes from there.
+        `consume(first_index, data)` is called once per transfer (or per run of slots) with a view
+        ([n, L, 2, heads, bs, D]) that is only valid during the call: copy it where it belongs. Only
+        the first (returned) blocks are valid: a view of a block found stale after it was consumed
+        may have been handed over. Consecutive blocks on one node move in one transfer; it stops at
+        the first block a node no longer holds (evicted, or metadata that went stale), so the caller
+        recomputes from there.
         """
         head_end = self.layout.num_kv_heads if head_end is None else head_end
         self.layout.check_heads(head_begin, head_end)
         start = 0
         while start < len(locations):
             end = start
-            while end < len(locations) and locations[end].node_id == locations[start].node_id:
+            while (
+                end < len(locations)
+                and end - start < MAX_BLOCKS
+                and locations[end].node_id == locations[start].node_id
+            ):
                 end += 1
-            served = self._get_run(request_id, locations[start:end], head_begin, head_end, start, consume)
+            node = self._node(locations[start].node_id)
+            run = locations[start:end]
+            shm = node.shm
+            if shm is not None:
+                served = self._get_shm(node, shm, request_id, run, head_begin, head_end, start, consume)
+            else:
+                served = node.link.get(request_id, run, head_begin, head_end, start, consume)
             start += served
-            if served < end - (start - served):
+            if served < len(run):
                 break
         return start
 
@@ -393,59 +371,22 @@ class PoolClient:
 
         return self.get_into(request_id, locations, land, head_begin, head_end)
 
-    def _get_run(self, request_id, run, head_begin, head_end, offset, consume) -> int:
-        node = self._node(run[0].node_id)
-        chunk_blocks = self._chunk_blocks(head_begin, head_end)
-        # a receive that outlives the caller's wait must not land data in blocks the caller has given up
-        landing = threading.Lock()
-        abandoned = False
-        with self._locked(node):
-            group = self._connect(node)
-            tag = self._tags(node, len(chunk_plan(len(run), chunk_blocks)))
-            request = pool_pb2.GetRequest(
-                group_name=node.group_name,
-                peer_id=self.peer_id,
-                tag=tag,
-                request_id=request_id,
-                blocks=[to_proto(x) for x in run],
-                head_begin=head_begin,
-                head_end=head_end,
-                chunk_blocks=chunk_blocks,
-            )
-            reply = node.stub.Get.future(request, timeout=self.transfer_timeout_s)
-
-            def receive() -> int:
-                header = torch.zeros(1, dtype=torch.int64, device=self.device)
-                recv(group, header, 0, tag)
-                n = int(header.item())
-
-                def dest(i: int, first: int, count: int) -> torch.Tensor:
-                    return node.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
-
-                def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
-                    with landing:
-                        if abandoned:
-                            raise PoolError("the caller stopped waiting")
-                        consume(offset + first, data)
-
-                recv_stream(group, 0, tag + 1, chunk_plan(n, chunk_blocks), dest, land)
-                return n
-
-            received = self._submit(node, group, receive)
-        try:
-            n = received.result(timeout=self.transfer_timeout_s)
-        except Exception as err:  # the transfer failed, or timed out (the node died or hangs)
-            with landing:
-                abandoned = True
-            reply.cancel()
-            if isinstance(err, concurrent.futures.TimeoutError):
-                err = TimeoutError(f"no data after {self.transfer_timeout_s}s")
-            with self._locked(node):
-                raise self._fail(node, err, f"get of {len(run)} blocks", group) from err
-        # the data is here; the reply only confirms it, so nobody waits for it
-        reply.add_done_callback(
-            lambda call: call.exception() and log.warning("get reply: %s", call.exception())
-        )
+    def _get_shm(
+        self, node: _Node, shm: SharedSlab, request_id, run, head_begin, head_end, offset, consume
+    ) -> int:
+        """Lock-free read from a same-host slab: check, copy, check the generations again."""
+        n, private = shm.valid(run)
+        if n < len(run):
+            self.meta.unpublish([run[n]])  # compare-and-delete: only that exact stale entry
+        for pos, slot0, length in runs([loc.slot for loc in run[:n]]):
+            consume(offset + pos, shm.slab[slot0 : slot0 + length, :, :, head_begin:head_end])
+        n = min(n, shm.valid(run[:n], complete=False)[0])  # a slot reused meanwhile: a miss from there
+        read = [to_proto(loc) for loc, p in zip(run[:n], private, strict=False) if p]
+        if read and head_end - head_begin == self.layout.num_kv_heads:  # the node frees them
+            try:
+                node.stub.Consumed(pool_pb2.ConsumedRequest(blocks=read), timeout=self.transfer_timeout_s)
+            except grpc.RpcError as err:  # the node's private TTL frees them instead
+                log.warning("freeing %d read private blocks on %s failed: %s", len(read), node.node_id, err)
         return n
 
     # -- control --------------------------------------------------------------------------------------
@@ -474,26 +415,35 @@ class PoolClient:
     def close(self) -> None:
         with self._lock:
             nodes, self.nodes = list(self.nodes.values()), {}
+        self._control.shutdown(wait=True)
         for node in nodes:
-            node.jobs.put((None, None))
+            node.link.close()
             node.channel.close()
 
 
-def _run_jobs(jobs: queue.SimpleQueue) -> None:
-    while True:
-        job, future = jobs.get()
-        if job is None:
+def _offset(fill: Callable[[int, int, torch.Tensor], None], shift: int):
+    return lambda first, count, out: fill(shift + first, count, out)
+
+
+def _gather(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """One future of the concatenated results of `parts` (the first failure fails it)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def check(_) -> None:
+        if done.done() or not all(p.done() for p in parts):
             return
+        errors = [p.exception() for p in parts if p.exception() is not None]
         try:
-            future.set_result(job())
-        except Exception as err:
-            future.set_exception(err)
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result([loc for p in parts for loc in p.result()])
+        except concurrent.futures.InvalidStateError:
+            pass  # another part's callback completed it first
 
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
+    for p in parts:
+        p.add_done_callback(check)
+    return done
 
 
 def wait_for_nodes(client: PoolClient, count: int, timeout_s: float) -> dict[str, dict]:

@@ -1,24 +1,30 @@
 """A pool node: the gRPC servicer (control) and pair groups (data) around a slab of block slots.
 
 `PoolNode` owns the slab tensor, the peers' pair groups and the Redis metadata writes; which slot
-holds what, and every rule about slot states, generations, leases, eviction and expiry, is the
-`SlotTable` in `slots.py`, which the node calls under its one lock. Here:
-- `Peer`: one client's pair group, whose transfers run strictly in the order of their tags.
-- `PoolNode`: Connect / Put / Get / Release / GetStats. A put reserves slots, receives the bytes
-  (straight into the slab when the slots are one range), then completes them and answers only once
-  every KV-head slice of its blocks is in (the other TP ranks' puts), waiting on a Condition; a get
-  leases its slots for the transfer. Publishing and unpublishing in Redis happen on a background
-  thread (`_publisher`), in order; the heartbeat also runs the expiry sweep and republishes every
-  complete block when Redis comes back empty, or when the node's own registry record had lapsed
-  (readers drop the entries of a node missing from the registry).
-- `transfer_timeout_s` bounds every wait on a peer (its pair group's sends and receives, the wait for
-  a transfer's turn): a client that died or hangs costs a handler thread that long at most.
+holds what, and every rule about slot states, generations, leases, reservations, eviction and expiry,
+is the `SlotTable` in `slots.py`, which the node calls under its one lock. Here:
+- `Peer`: one client's pair group and the thread that serves it: it keeps a receive posted for the
+  client's next transfer header and runs the transfers in order (`dataplane.py`: a PUT lands its
+  blocks, a GET leases and sends them), with no RPC per transfer.
+- `PoolNode`: Connect / Reserve / Consumed / Release / GetStats. A put (a PUT header, or a same-host
+  client's COMMIT of blocks it wrote into the shared slab) takes the slots its client reserved,
+  completes them and answers only once every KV-head slice of its blocks is in (the other TP ranks'
+  puts), waiting on a Condition (off the peer's thread: its next transfers go on meanwhile); a GET
+  leases its slots while it sends. Publishing and unpublishing in Redis happen on a background thread
+  (`_publisher`), in order; the heartbeat also runs the expiry sweep (private blocks, unassembled
+  blocks, lapsed reservations) and republishes every complete block when Redis comes back empty, or
+  when the node's own registry record had lapsed (readers drop the entries of a node missing from it).
+- On CPU the slab is a /dev/shm file (`shm.py`) advertised in the registry record, so clients on this
+  host move KV by memcpy; it is unlinked when the node stops.
+- `transfer_timeout_s` bounds every wait on a peer within a transfer (its pair group's sends and
+  receives): a client that died or hangs mid-transfer costs its peer thread that long at most. Between
+  transfers the peer thread waits for the next header until the client's connection breaks.
 The command line (`python -m kvferry.kvpool`) is in `__main__.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -31,8 +37,10 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from kvferry.kvpool.dataplane import COMMIT, GET, IDLE, Header, answer_tag, encode_answer, header_buffer
 from kvferry.kvpool.metadata import POOL_ROLE, Location, MetadataStore
-from kvferry.kvpool.slots import SlotTable
+from kvferry.kvpool.shm import Mirror, SharedSlab, boot_id
+from kvferry.kvpool.slots import PutPlan, SlotTable
 from kvferry.kvpool.transfer import (
     BlockLayout,
     Staging,
@@ -42,7 +50,6 @@ from kvferry.kvpool.transfer import (
     next_tag,
     recv_stream,
     runs,
-    send,
     send_stream,
 )
 from kvferry.rpc import Heartbeat, service_names, set_serving, start_server
@@ -55,45 +62,15 @@ NODE_ROLE = POOL_ROLE
 
 @dataclass
 class Peer:
-    """One client's pair group. Its transfers run one at a time in the order of their tags (the client
-    numbers them as it sends), however the gRPC threads that carry the requests get scheduled; that
-    lets a client start its next transfer before the previous reply is back. Each waiting transfer
-    has its own event, so finishing one wakes only the next (no thundering herd of handler threads)."""
+    """One client's pair group; `closed` once it failed or the client connected again."""
 
+    peer_id: str
     group: dist.ProcessGroup
     staging: Staging
     name: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    next_tag: int = 1
-    waiting: dict[int, threading.Event] = field(default_factory=dict)
     closed: bool = False
-
-    @contextlib.contextmanager
-    def turn(self, tag: int, messages: int, timeout_s: float):
-        with self.lock:
-            ready = self.next_tag == tag
-            event = None if ready else self.waiting.setdefault(tag, threading.Event())
-        if event is not None and not event.wait(timeout_s):
-            with self.lock:
-                self.waiting.pop(tag, None)
-            raise TimeoutError(f"transfer tag {tag} never came up (at {self.next_tag})")
-        if self.closed:
-            raise ConnectionError("the peer reconnected or failed")
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.next_tag = next_tag(tag, messages)
-                woken = self.waiting.pop(self.next_tag, None)
-            if woken is not None:
-                woken.set()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            waiting, self.waiting = list(self.waiting.values()), {}
-        for event in waiting:
-            event.set()
+    answered: int = 0  # put answers sent: the next goes on answer_tag(answered)
+    answer_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -113,10 +90,9 @@ class PoolNodeConfig:
     private_ttl_s: float = 20.0
     assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
     transfer_timeout_s: float = 10.0
-
-
-def _proto(loc: Location) -> pool_pb2.BlockLocation:
-    return pool_pb2.BlockLocation(key=loc.key, node_id=loc.node_id, slot=loc.slot, generation=loc.generation)
+    reserve_ttl_s: float = 30.0  # a client's reserved slots lapse this long after its last reserve or put
+    max_reserve: int = 1024  # slots one Reserve hands out at most
+    shm: bool = True  # on CPU, keep the slab in /dev/shm for same-host clients
 
 
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
@@ -125,23 +101,41 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.node_id = cfg.node_id or f"pool-{uuid.uuid4().hex[:8]}"
         self.layout = layout
         self.device = torch.device(cfg.device)
-        self.slab = torch.zeros((cfg.num_slots, *layout.shape), dtype=layout.torch_dtype, device=self.device)
+        self.shm = self._shared_slab()
+        if self.shm is not None:
+            self.slab = self.shm.slab
+        else:
+            shape = (cfg.num_slots, *layout.shape)
+            self.slab = torch.zeros(shape, dtype=layout.torch_dtype, device=self.device)
         self.table = SlotTable(
             cfg.num_slots,
             layout.num_kv_heads,
             self.node_id,
             private_ttl_s=cfg.private_ttl_s,
             assemble_timeout_s=cfg.assemble_timeout_s,
+            reserve_ttl_s=cfg.reserve_ttl_s,
+            on_change=None if self.shm is None else Mirror(self.shm.meta),
         )
         self.lock = threading.Lock()  # guards self.table and self.peers
         self.assembled = threading.Condition(self.lock)  # a block got its last KV-head slice, or was freed
         self.peers: dict[str, Peer] = {}
+        # answers of puts that wait for other ranks' slices, so a peer's thread goes on meanwhile
+        self.waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="put-wait")
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.store = host_store(cfg.host, cfg.store_port, None)  # listening on the node's host only
         self._redis_id: str | None = None
         self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
+
+    def _shared_slab(self) -> SharedSlab | None:
+        if not self.cfg.shm or self.device.type != "cpu":
+            return None
+        try:
+            return SharedSlab.create(self.layout, self.cfg.num_slots, uuid.uuid4().hex[:8])
+        except OSError as err:  # no /dev/shm, or too small: same-host clients use the pair group
+            log.warning("no shared-memory slab (%s): same-host clients use the pair group", err)
+            return None
 
     def _publisher(self) -> None:
         while True:
@@ -173,23 +167,41 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             )
         except Exception as err:  # the peer never joined, or the backend failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair group {request.group_name!r} failed: {err}")
+        peer = Peer(request.peer_id, group, Staging(self.slab.dtype, self.device), request.group_name)
         with self.lock:
             old = self.peers.get(request.peer_id)
-            self.peers[request.peer_id] = Peer(
-                group, Staging(self.slab.dtype, self.device), request.group_name
-            )
+            self.peers[request.peer_id] = peer
         if old is not None:
-            self._drop_peer(request.peer_id, old)
+            self._drop_peer(old)
+        threading.Thread(
+            target=self._serve_peer, args=(peer,), name=f"peer-{peer.peer_id}", daemon=True
+        ).start()
         log.info("connected peer %s (%s)", request.peer_id, request.backend or "gloo")
         return pool_pb2.ConnectResponse()
 
-    def _peer(self, request, context) -> Peer:
-        peer = self.peers.get(request.peer_id)
-        if peer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"peer {request.peer_id!r} has not connected")
-        if request.group_name and request.group_name != peer.name:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pair group {request.group_name!r} is gone")
-        return peer
+    def Reserve(self, request, context):
+        count = min(request.count, self.cfg.max_reserve)
+        with self.lock:
+            slots, evicted = self.table.reserve(request.peer_id, count)
+        for loc in evicted:
+            self.outbox.put(("unpublish", loc))
+        return pool_pb2.ReserveResponse(
+            slots=[s for s, _ in slots], generations=[g for _, g in slots], ttl_s=self.cfg.reserve_ttl_s
+        )
+
+    def Consumed(self, request, context):
+        with self.lock:
+            released = self.table.consumed(request.blocks)
+            if released:
+                self.assembled.notify_all()
+        return pool_pb2.ReleaseResponse(released=released)
+
+    def Release(self, request, context):
+        with self.lock:
+            released = self.table.release(request.request_id)
+            if released:
+                self.assembled.notify_all()  # a put waiting for a freed slot's other slices stops
+        return pool_pb2.ReleaseResponse(released=released)
 
     def _heads(self, request, context) -> tuple[int, int]:
         begin, end = request.head_begin, request.head_end or self.layout.num_kv_heads
@@ -199,29 +211,68 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return begin, end
 
-    def Put(self, request, context):
-        peer = self._peer(request, context)
-        head_begin, head_end = self._heads(request, context)
-        keys = [block.key for block in request.blocks]
+    def _complete(self, plan: PutPlan, head_begin: int, head_end: int) -> list[Location | None]:
+        """The put's slice landed: complete its blocks, wait (bounded) until every block has all its
+        KV heads (a tensor-parallel writer's answer waits for the other ranks' slices, so whoever
+        answers with these locations can trust them), publish, and answer where each block is."""
         with self.lock:
-            plan = self.table.begin_write(
-                request.request_id, keys, [block.private for block in request.blocks]
-            )
+            publish, assembled = self.table.finish_write(plan, head_begin, head_end)
+            if assembled:
+                self.assembled.notify_all()
+            deadline = time.monotonic() + self.cfg.assemble_timeout_s
+            while self.table.pending(plan):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.assembled.wait(left)
+            found = self.table.locations_for(plan)
+        if publish:
+            self.outbox.put(("publish", publish))  # off the transfer path; a reader never needs it sooner
+        return found
+
+    # -- the pair-group data plane ---------------------------------------------------------------------
+    def _serve_peer(self, peer: Peer) -> None:
+        """The peer's transfers, in tag order. The next header's receive is posted as soon as the
+        current header is read, so the client's next transfer never waits for a round trip."""
+        bufs, tag = [header_buffer(), header_buffer()], 1
+        work = peer.group.recv([bufs[0]], 1, tag)
+        for i in itertools.count():
+            try:
+                work.wait(IDLE)
+                header = Header.decode(bufs[i % 2])
+                self.layout.check_heads(header.head_begin, header.head_end)
+                following = next_tag(tag, header.messages)
+                work = peer.group.recv([bufs[(i + 1) % 2]], 1, following)
+                if header.op == GET:
+                    self._send_blocks(peer, header, tag)
+                elif header.op == COMMIT:
+                    self._commit_blocks(peer, header, tag)
+                else:
+                    self._land_blocks(peer, header, tag)
+            except Exception as err:  # the peer died, hangs, or sent garbage: its group is unusable
+                if not peer.closed:
+                    log.warning("pair group of peer %s failed: %s", peer.peer_id, err)
+                self._drop_peer(peer)
+                return
+            tag = following
+
+    def _land_blocks(self, peer: Peer, h: Header, tag: int) -> None:
+        named = [None if s < 0 else (s, g) for s, g in zip(h.slots, h.generations, strict=True)]
+        with self.lock:
+            plan = self.table.begin_write(h.request_id, h.keys, h.private, owner=peer.peer_id, named=named)
         for loc in plan.evicted:
             self.outbox.put(("unpublish", loc))
-        n = len(keys)
-        rows = plan.rows
-        full = head_begin == 0 and head_end == self.layout.num_kv_heads
+        n, rows = len(h.keys), plan.rows
+        full = h.head_begin == 0 and h.head_end == self.layout.num_kv_heads
         slot_ids = [plan.slots[i] for i in rows]
         direct = full and len(rows) == n and len(runs(slot_ids)) == 1  # one slab range: receive in place
-        chunks = chunk_plan(n, request.chunk_blocks or n or 1)
-        dest_slab = self.slab[:, :, :, head_begin:head_end]
+        dest_slab = self.slab[:, :, :, h.head_begin : h.head_end]
         row_slot = {row: plan.slots[row] for row in rows}
 
         def dest(i: int, first: int, count: int) -> torch.Tensor:
             if direct:
                 return self.slab[slot_ids[0] + first : slot_ids[0] + first + count]
-            return peer.staging.view(self.layout.slice_shape(count, head_begin, head_end), i)
+            return peer.staging.view(self.layout.slice_shape(count, h.head_begin, h.head_end), i)
 
         def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
             keep = [r for r in range(first, first + count) if r in row_slot]  # duplicates are dropped
@@ -230,47 +281,69 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 dest_slab[slot0 : slot0 + length].copy_(data[r0 : r0 + length])
 
         try:
-            with peer.turn(request.tag, len(chunks), self.cfg.transfer_timeout_s):
-                recv_stream(peer.group, 1, request.tag + 1, chunks, dest, None if direct else land)
-        except Exception as err:
-            self._drop_peer(request.peer_id, peer)
+            recv_stream(peer.group, 1, tag + 2, chunk_plan(n, h.chunk_blocks), dest, None if direct else land)
+        except Exception:
             with self.lock:
                 if self.table.abort_write(plan):
                     self.assembled.notify_all()  # a put waiting for a freed slot's other slices stops
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"receiving {n} blocks failed: {err}")
-        with self.lock:
-            publish, assembled = self.table.finish_write(plan, head_begin, head_end)
-            if assembled:
-                self.assembled.notify_all()
-            # a block is usable only once every KV head is in: a tensor-parallel writer's reply waits
-            # for the other ranks' slices, so whoever answers with these locations can trust them
-            deadline = time.monotonic() + self.cfg.assemble_timeout_s
-            while self.table.pending(plan):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.assembled.wait(left)
-            found = self.table.locations_for(plan)
-        reply = pool_pb2.PutResponse(
-            locations=[
-                pool_pb2.BlockLocation(key=key) if loc is None else _proto(loc)
-                for key, loc in zip(keys, found, strict=True)
-            ]
-        )
-        if publish:
-            self.outbox.put(("publish", publish))  # off the transfer path; a reader never needs it sooner
-        return reply
+            raise
 
-    def Get(self, request, context):
-        peer = self._peer(request, context)
-        head_begin, head_end = self._heads(request, context)
+        self._answer(peer, plan, h, tag)
+
+    def _commit_blocks(self, peer: Peer, h: Header, tag: int) -> None:
+        """A same-host put: the bytes are in the named slots already; only blocks whose slot is still
+        the client's reservation are stored (a lapsed one may hold someone else's block now)."""
+        if self.shm is None:
+            raise ValueError("a COMMIT to a node without a shared slab")
+        hb, he = h.head_begin, h.head_end
+        named = [(s, g) for s, g in zip(h.slots, h.generations, strict=True)]
         with self.lock:
-            slot_ids, stale = self.table.lease(request.request_id, request.blocks)
-            if stale is not None:  # drop the stale entry
-                self.outbox.put(("unpublish", stale))
+            plan = self.table.begin_write(
+                h.request_id, h.keys, h.private, owner=peer.peer_id, named=named, allocate=False
+            )
+            # a block that joined another writer's slot (a TP rank's slice came first) moves there
+            for src, dst in zip(plan.sources, plan.slots, strict=True):
+                if src is not None and dst is not None and src != dst:
+                    self.slab[dst, :, :, hb:he] = self.slab[src, :, :, hb:he]
+        for loc in plan.evicted:
+            self.outbox.put(("unpublish", loc))
+        self._answer(peer, plan, h, tag)
+
+    def _answer(self, peer: Peer, plan: PutPlan, h: Header, tag: int) -> None:
+        """Complete the put and answer it on the peer's answer stream; from a waiter thread when its
+        blocks wait for other ranks' slices, so the peer's next transfers go on meanwhile."""
+
+        def answer() -> None:
+            found = self._complete(plan, h.head_begin, h.head_end)
+            locations = [Location(b"", "", 0, 0) if loc is None else loc for loc in found]
+            with peer.answer_lock:  # answers go out in the order of their tags on the answer stream
+                sent = peer.group.send([encode_answer(tag, locations)], 1, answer_tag(peer.answered))
+                peer.answered += 1
+            try:
+                sent.wait()
+            except Exception as err:
+                log.warning("answering peer %s failed: %s", peer.peer_id, err)
+                self._drop_peer(peer)
+
+        with self.lock:
+            waits = self.table.pending(plan)
+        if waits:
+            self.waiters.submit(answer)
+        else:
+            answer()
+
+    def _send_blocks(self, peer: Peer, h: Header, tag: int) -> None:
+        blocks = [
+            Location(k, self.node_id, s, g) for k, s, g in zip(h.keys, h.slots, h.generations, strict=True)
+        ]
+        with self.lock:
+            slot_ids, stale = self.table.lease(h.request_id, blocks)
+        if stale is not None:  # drop the stale entry
+            self.outbox.put(("unpublish", stale))
+        head_begin, head_end = h.head_begin, h.head_end
         try:
             n = len(slot_ids)
-            header = torch.tensor([n], dtype=torch.int64, device=self.device)
+            told = peer.group.send([torch.tensor([n], dtype=torch.int64)], 1, tag + 1)
             direct = head_begin == 0 and head_end == self.layout.num_kv_heads and len(runs(slot_ids)) == 1
             src = self.slab[:, :, :, head_begin:head_end]
 
@@ -282,27 +355,12 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                     data[pos : pos + length].copy_(src[slot0 : slot0 + length])
                 return data
 
-            chunk_blocks = request.chunk_blocks or len(request.blocks) or 1
-            budget = len(chunk_plan(len(request.blocks), chunk_blocks))  # tags the client set aside
-            try:
-                with peer.turn(request.tag, budget, self.cfg.transfer_timeout_s):
-                    send(peer.group, header, 1, request.tag)
-                    send_stream(peer.group, 1, request.tag + 1, chunk_plan(n, chunk_blocks), chunk)
-            except Exception as err:
-                self._drop_peer(request.peer_id, peer)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"sending {n} blocks failed: {err}")
+            send_stream(peer.group, 1, tag + 2, chunk_plan(n, h.chunk_blocks), chunk)
+            told.wait()
         finally:
             with self.lock:
                 whole = head_end - head_begin == self.layout.num_kv_heads
-                self.table.end_lease(request.request_id, slot_ids, whole)
-        return pool_pb2.GetResponse(num_served=len(slot_ids))
-
-    def Release(self, request, context):
-        with self.lock:
-            released = self.table.release(request.request_id)
-            if released:
-                self.assembled.notify_all()  # a put waiting for a freed slot's other slices stops
-        return pool_pb2.ReleaseResponse(released=released)
+                self.table.end_lease(h.request_id, slot_ids, whole)
 
     def GetStats(self, request, context):
         with self.lock:
@@ -318,16 +376,17 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             blocks_out=stats["blocks_out"],
             evictions=stats["evictions"],
             stale_gets=stats["stale_gets"],
+            reserved=stats["reserved"],
             block_shape=list(self.layout.shape),
             dtype=self.layout.dtype,
         )
 
     # -- housekeeping ----------------------------------------------------------------------------------
-    def _drop_peer(self, peer_id: str, peer: Peer) -> None:
+    def _drop_peer(self, peer: Peer) -> None:
         with self.lock:
-            if self.peers.get(peer_id) is peer:
-                del self.peers[peer_id]
-        peer.close()
+            if self.peers.get(peer.peer_id) is peer:
+                del self.peers[peer.peer_id]
+        peer.closed = True
 
     def check_redis(self) -> None:
         """Republish every complete block when Redis comes back empty (restarted, or a new server), or
@@ -349,15 +408,20 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             self.outbox.put(("publish", held))
 
     def expire_private(self) -> None:
-        """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came."""
+        """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came, the
+        reservations of clients whose pair group is gone (a connected client's are renewed: it may only
+        be stalled, and a same-host put of its may still be about to write into them)."""
         with self.lock:
+            self.table.renew([peer_id for peer_id, peer in self.peers.items() if not peer.closed])
             if self.table.expire():
                 self.assembled.notify_all()
 
     def info(self) -> dict:
         with self.lock:
             free_slots = self.table.available()
+        shm = {} if self.shm is None else {"shm": str(self.shm.path), "boot_id": boot_id()}
         return {
+            **shm,
             "addr": f"{self.cfg.host}:{self.port}",
             "store": f"{self.cfg.host}:{self.store.port}",
             "device": self.device.type,
@@ -389,7 +453,11 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             self.port,
             self.table.num_slots,
         )
-        stop.wait()
-        set_serving(health, names, False)
-        heartbeat.stop()
-        server.stop(grace=2).wait()
+        try:
+            stop.wait()
+            set_serving(health, names, False)
+            heartbeat.stop()
+            server.stop(grace=2).wait()
+        finally:
+            if self.shm is not None:
+                self.shm.unlink()  # mapped clients keep their view; nobody new can open it

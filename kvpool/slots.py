@@ -4,8 +4,14 @@ Pure bookkeeping: no tensors, no torch.distributed, no gRPC, no Redis, no thread
 the caller serializes every call (`PoolNode` holds its one lock around each, and keeps the Condition a
 put's reply waits on). Time comes from `clock` (default `time.monotonic`), so tests can drive the TTLs.
 
-Slot life: FREE -> WRITING (a put reserved it; not visible) -> PUBLISHED (complete: every KV head
-written; its location goes to Redis) or PRIVATE (a request's tail block, never published) -> FREE.
+Slot life: FREE [-> RESERVED] -> WRITING (a put took it; not visible) -> PUBLISHED (complete: every KV
+head written; its location goes to Redis) or PRIVATE (a request's tail block, never published) -> FREE.
+RESERVED: set aside for one client (`reserve`, one control call per batch) which names it in a later
+put; a put takes a named slot only while it is still that owner's at that generation, and an owner's
+reservations lapse `reserve_ttl_s` after its last `reserve`, put or `renew` (its process died), back to
+FREE. The node renews the owners whose pair group is still open on every sweep: a client that is only
+stalled (SIGSTOP, swapping) keeps its slots, so its late same-host memcpy never lands in a slot that
+was handed to someone else.
 A slot's generation rises each time it is allocated, and a get names (slot, generation, key): a stale
 location (the slot was evicted and reused) is refused, so lost or old metadata means a miss, never
 wrong KV. `writers` (puts whose bytes are landing) and `leases` (gets sending from it) pin a slot: it
@@ -21,9 +27,13 @@ Kept alongside the slots, and updated with every state change:
   indexed only while being written (so the other ranks' slices of it join the same slot).
 - `by_request`: request id -> its private and unfinished slots (WRITING or PRIVATE): `release` looks
   at those only.
+- `reserved`: owner -> its RESERVED slots, and `reserve_expires`: owner -> when they lapse.
 - an expiry heap of (expires, slot, generation), pushed whenever an unpinned slot may expire (a
   PRIVATE block, or a WRITING one whose writers are all done) and checked lazily against the slot when
   it comes due: `expire` pops only what is due instead of walking every slot.
+
+`on_change(slot)` (optional) sees every state change, after the generation of a reused slot rose: the
+node mirrors (generation, state) into shared memory for same-host readers (`shm.py`).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ class SlotState(enum.IntEnum):
     WRITING = 1
     PUBLISHED = 2
     PRIVATE = 3
+    RESERVED = 4
 
 
 @dataclass(slots=True)
@@ -80,6 +91,9 @@ class PutPlan:
     generations: list[int | None] = field(default_factory=list)  # of those slots, when reserved
     evicted: list[Location] = field(default_factory=list)  # to unpublish: their slots were reused
     republish: list[Location] = field(default_factory=list)  # keys complete here already
+    owner: str = ""  # the client whose reserved slots the put named
+    sources: list[int | None] = field(default_factory=list)  # per block: the named slot it was written in
+    spare: list[tuple[int, int]] = field(default_factory=list)  # named (slot, generation) it did not keep
 
     @property
     def rows(self) -> list[int]:
@@ -96,19 +110,25 @@ class SlotTable:
         *,
         private_ttl_s: float = 20.0,
         assemble_timeout_s: float = 30.0,
+        reserve_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[Slot], None] | None = None,
     ):
         self.node_id = node_id
         self.all_heads = (1 << num_kv_heads) - 1
         self.num_kv_heads = num_kv_heads
         self.private_ttl_s = private_ttl_s
         self.assemble_timeout_s = assemble_timeout_s
+        self.reserve_ttl_s = reserve_ttl_s
         self.clock = clock
+        self.on_change = on_change
         self.slots = [Slot(i) for i in range(num_slots)]
         self.free: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[int, None] = OrderedDict()  # published, unpinned: eviction order
         self.index: dict[bytes, int] = {}  # key -> slot (WRITING or PUBLISHED)
         self.by_request: dict[str, set[int]] = {}  # request id -> its WRITING / PRIVATE slots
+        self.reserved: dict[str, set[int]] = {}  # owner -> its RESERVED slots
+        self.reserve_expires: dict[str, float] = {}  # owner -> when its reservations lapse
         self.leases: Counter[str] = Counter()  # request id -> blocks it has leased now
         self.counters: Counter[str] = Counter()  # evictions, stale_gets, blocks_in, blocks_out
         self.states: Counter[SlotState] = Counter({SlotState.FREE: num_slots})
@@ -131,20 +151,50 @@ class SlotTable:
         return None if index is None else self.slots[index]
 
     # -- writes --------------------------------------------------------------------------------------
+    def reserve(self, owner: str, count: int) -> tuple[list[tuple[int, int]], list[Location]]:
+        """Set aside up to `count` slots (fewer when every other slot is pinned) for `owner` to fill:
+        ((slot, generation) of each, lowest first; locations evicted to make room, to unpublish)."""
+        evicted: list[Location] = []
+        held = self.reserved.setdefault(owner, set())
+        out = []
+        for _ in range(count):
+            slot = self._allocate(evicted)
+            if slot is None:
+                break
+            self._set_state(slot, SlotState.RESERVED)
+            held.add(slot.index)
+            out.append((slot.index, slot.generation))
+        self._touch(owner)
+        return sorted(out), evicted
+
     def begin_write(
-        self, request_id: str, keys: Sequence[bytes], private: Sequence[bool] | None = None
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        private: Sequence[bool] | None = None,
+        *,
+        owner: str = "",
+        named: Sequence[tuple[int, int] | None] = (),
+        allocate: bool = True,
     ) -> PutPlan:
         """Reserve a slot per block and pin it (`writers`) until `finish_write` or `abort_write`.
 
         A key being written already (another rank's KV-head slice of it) is joined, not re-made; one
         published here already gets no slot (`republish` names it: a writer found it missing in Redis);
-        another request's private block is never written into. A new slot comes from the free list, else
-        by evicting the least recently used published block (`evicted`); None when every slot is pinned.
+        another request's private block is never written into. A new slot is the block's `named` one
+        (slot, generation) when that is still `owner`'s reservation; else, if `allocate`, one from the
+        free list or by evicting the least recently used published block (`evicted`); None when every
+        slot is pinned. Named slots the put does not keep stay reserved (`spare`, `sources`: a writer
+        through shared memory put the bytes there) until `finish_write` / `abort_write` frees them.
         """
         now = self.clock()
         private = [False] * len(keys) if private is None else list(private)
-        plan = PutPlan(request_id, list(keys), private)
-        for key, is_private in zip(plan.keys, private, strict=True):
+        named = list(named) or [None] * len(keys)
+        plan = PutPlan(request_id, list(keys), private, owner=owner)
+        self._touch(owner)
+        for key, is_private, want in zip(plan.keys, private, named, strict=True):
+            mine = self._reserved_slot(owner, want)
+            plan.sources.append(None if mine is None else mine.index)
             slot = self.existing(key)
             if slot is not None and is_private and slot.request_id != request_id:
                 slot = None  # never write into another request's private block
@@ -152,9 +202,14 @@ class SlotTable:
                 plan.slots.append(None)  # already complete here: drop the bytes on arrival
                 plan.generations.append(None)
                 plan.republish.append(self.location(slot))
+                plan.spare += [] if mine is None else [(mine.index, mine.generation)]
                 continue
             if slot is None:
-                slot = self._allocate(plan.evicted)
+                if mine is not None:
+                    slot, mine = mine, None
+                    self.reserved[owner].discard(slot.index)
+                elif allocate:
+                    slot = self._allocate(plan.evicted)
                 if slot is not None:
                     slot.key = key
                     self._set_state(slot, SlotState.WRITING)
@@ -164,6 +219,7 @@ class SlotTable:
                     self.index[key] = slot.index  # private keys: only while being written
                     # pinned: nothing expires it before its writers are done (`finish_write` resets it)
                     slot.expires = now + self.private_ttl_s
+            plan.spare += [] if mine is None else [(mine.index, mine.generation)]
             if slot is not None:
                 slot.writers += 1  # pinned (no release, no eviction) until this put is done
             plan.slots.append(None if slot is None else slot.index)
@@ -206,6 +262,7 @@ class SlotTable:
                 self._set_expiry(slot, now + self.assemble_timeout_s)  # for the other slices
             self._release_if_done(slot)
         self.counters["blocks_in"] += len(plan.rows)
+        self._free_spare(plan)
         return publish + plan.republish, assembled
 
     def abort_write(self, plan: PutPlan) -> int:
@@ -222,7 +279,7 @@ class SlotTable:
                 released += 1
             elif slot.writers == 0 and slot.state == SlotState.PUBLISHED and slot.leases == 0:
                 self.lru[slot.index] = None
-        return released
+        return released + self._free_spare(plan)
 
     def pending(self, plan: PutPlan) -> bool:
         """Whether a block of the put still waits for another rank's KV-head slice (its slot is still
@@ -312,6 +369,23 @@ class SlotTable:
                 slot.released = True
         return released
 
+    def consumed(self, blocks: Iterable[BlockRef]) -> int:
+        """A same-host reader copied these private blocks whole without a lease (`shm.py`): free each
+        that still holds that key at that generation and is not in use (1 per block freed)."""
+        released = 0
+        for loc in blocks:
+            slot = self.slots[loc.slot] if 0 <= loc.slot < len(self.slots) else None
+            if (
+                slot is not None
+                and slot.state == SlotState.PRIVATE
+                and (slot.key, slot.generation) == (loc.key, loc.generation)
+                and slot.leases == slot.writers == 0
+            ):
+                self._release(slot)
+                released += 1
+        self.counters["blocks_out"] += released
+        return released
+
     def _release_if_done(self, slot: Slot) -> int:
         """Free a released request's block once nobody writes or reads it (1 if freed)."""
         in_use = slot.writers or slot.leases
@@ -319,6 +393,13 @@ class SlotTable:
             self._release(slot)
             return 1
         return 0
+
+    def renew(self, owners: Iterable[str]) -> None:
+        """Keep the reservations of `owners` (clients still connected) from lapsing for another TTL."""
+        until = self.clock() + self.reserve_ttl_s
+        for owner in owners:
+            if owner in self.reserve_expires:
+                self.reserve_expires[owner] = until
 
     def expire(self) -> int:
         """Free the unpinned private blocks older than `private_ttl_s` (from completion) and the
@@ -347,6 +428,11 @@ class SlotTable:
             released += 1
         for entry in pinned:
             heapq.heappush(self._expiry, entry)
+        for owner in [o for o, t in self.reserve_expires.items() if t < now]:  # its process died
+            del self.reserve_expires[owner]
+            for index in self.reserved.pop(owner, ()):
+                self._release(self.slots[index])
+                released += 1
         return released
 
     def published_locations(self) -> list[Location]:
@@ -359,6 +445,7 @@ class SlotTable:
             "used_slots": len(self.slots) - len(self.free),
             "free_slots": self.available(),
             "writing": self.states[SlotState.WRITING],
+            "reserved": self.states[SlotState.RESERVED],
             "published": self.states[SlotState.PUBLISHED],
             "private_blocks": self.states[SlotState.PRIVATE],
             "leases": dict(self.leases),
@@ -392,6 +479,8 @@ class SlotTable:
         }
         assert tracked == owned, f"by_request {tracked} != {owned}"
         assert +self.states == Counter(s.state for s in slots), "state counts"
+        held = [i for ids in self.reserved.values() for i in ids]
+        assert sorted(held) == [s.index for s in slots if s.state == SlotState.RESERVED], "reserved"
         due = {(e, i, g) for e, i, g in self._expiry}
         for s in slots:
             expirable = s.state == SlotState.WRITING or (s.state == SlotState.PRIVATE and s.request_id)
@@ -403,6 +492,29 @@ class SlotTable:
         self.states[slot.state] -= 1
         self.states[state] += 1
         slot.state = state
+        if self.on_change is not None:
+            self.on_change(slot)
+
+    def _touch(self, owner: str) -> None:
+        if owner:
+            self.reserve_expires[owner] = self.clock() + self.reserve_ttl_s
+
+    def _reserved_slot(self, owner: str, want: tuple[int, int] | None) -> Slot | None:
+        """The slot `want` names, if it is still `owner`'s reservation at that generation."""
+        if want is None or want[0] not in self.reserved.get(owner, ()):
+            return None
+        slot = self.slots[want[0]]
+        return slot if slot.generation == want[1] else None
+
+    def _free_spare(self, plan: PutPlan) -> int:
+        """Free the named slots `plan` did not keep (those still reserved: a lapse may have freed one)."""
+        held = self.reserved.get(plan.owner, set())
+        freed = [i for i, gen in plan.spare if i in held and self.slots[i].generation == gen]
+        for index in freed:
+            held.discard(index)
+            self._release(self.slots[index])
+        plan.spare = []
+        return len(freed)
 
     def _set_expiry(self, slot: Slot, expires: float) -> None:
         slot.expires = expires

@@ -97,7 +97,7 @@ def make_pair_group(
     return dist.ProcessGroupGloo(prefix, rank, 2, opts)
 
 
-CHUNK_BYTES = 8 * 2**20  # one transfer moves in messages of about this size, pipelined
+CHUNK_BYTES = 2 * 2**20  # one transfer moves in messages of about this size, pipelined
 
 
 def next_tag(tag: int, messages: int) -> int:

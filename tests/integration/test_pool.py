@@ -1,4 +1,7 @@
-"""A real pool node process with real Redis: puts, gets, leases, eviction, TP slices, Redis outages."""
+"""A real pool node process with real Redis: puts, gets, leases, eviction, TP slices, Redis outages.
+
+Every test runs twice: through the node's shared slab (this host: `shm`) and through the pair group
+(`pair`, the client told not to map the slab), and checks which one moved the bytes."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ LAYOUT = BlockLayout(2, 4, 16, 8, "float32")
 SLOTS = 8
 
 
-@pytest.fixture(scope="module")
-def pool(redis_server, tmp_path_factory):
+@pytest.fixture(scope="module", params=["shm", "pair"])
+def pool(redis_server, tmp_path_factory, request):
+    namespace = f"pooltest-{request.param}"
     log = (tmp_path_factory.mktemp("pool") / "pool.log").open("wb")
     proc = subprocess.Popen(
         [
@@ -32,7 +36,7 @@ def pool(redis_server, tmp_path_factory):
             "--redis-url",
             redis_server.url,
             "--namespace",
-            "pooltest",
+            namespace,
             "--layout",
             ",".join(map(str, LAYOUT.to_list())),
             "--num-slots",
@@ -41,8 +45,10 @@ def pool(redis_server, tmp_path_factory):
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    client = PoolClient(MetadataStore(redis_server.url, "pooltest"), LAYOUT, peer_id="tester")
+    shm = request.param == "shm"
+    client = PoolClient(MetadataStore(redis_server.url, namespace), LAYOUT, peer_id="tester", shm=shm)
     assert wait_for_nodes(client, 1, 60), "the pool node did not register"
+    client.transport = request.param
     yield client
     client.close()
     proc.terminate()
@@ -66,6 +72,21 @@ def wait_for(predicate, timeout=10.0):
 
 def stats(client):
     return next(iter(client.stats().values()))
+
+
+def test_the_transport_asked_for_moves_the_bytes(pool):
+    data = blocks(2, 9)
+    locations = pool.put("t", [key(0, 9), key(1, 9)], data)
+    assert torch.equal(pool.get("t", locations), data)
+    shm = pool.transport == "shm"
+    assert (pool.nodes["n0"].shm is not None) == shm
+    reader = PoolClient(pool.meta, LAYOUT, peer_id="reader", shm=shm)
+    try:
+        assert torch.equal(reader.get("t", locations), data)
+        # a same-host get needs no pair group (nor any RPC); a put's commit is a header on it
+        assert (reader.nodes["n0"].link.group is None) == shm
+    finally:
+        reader.close()
 
 
 def test_put_then_get_round_trip_and_prefix_lookup(pool):
@@ -121,7 +142,8 @@ def test_eviction_makes_stale_locations_misses(pool):
     pool.put("e2", fill, blocks(SLOTS, 5))  # more than the free slots: LRU blocks are evicted
     assert stats(pool).evictions > before
     assert pool.get("e3", first).shape[0] == 0  # the slot was reused: refused, never wrong data
-    assert stats(pool).stale_gets >= 1
+    if pool.transport == "pair":  # a same-host read checks the generation itself, the node never sees it
+        assert stats(pool).stale_gets >= 1
     wait_for(lambda: pool.lookup_prefix([key(0, 4)]) == [])  # and its metadata was removed
 
 

@@ -14,7 +14,7 @@ import torch
 from cluster_helpers import Members, wait_for
 from conftest import ENGINE, make_cluster_config
 
-from kvferry.deploy.config import PoolSettings, WorkerGroupSettings
+from kvferry.deploy.config import PoolSettings, RestartSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.client import PoolClient, PoolError, wait_for_nodes
 from kvferry.kvpool.keys import block_keys
@@ -41,8 +41,9 @@ def start_node(redis_url: str, namespace: str, log_path) -> subprocess.Popen:
         )
 
 
-def client(redis_url: str, namespace: str, name: str) -> PoolClient:
-    return PoolClient(MetadataStore(redis_url, namespace), LAYOUT, peer_id=name, transfer_timeout_s=TIMEOUT_S)
+def client(redis_url: str, namespace: str, name: str, shm: bool = True) -> PoolClient:
+    meta = MetadataStore(redis_url, namespace)
+    return PoolClient(meta, LAYOUT, peer_id=name, transfer_timeout_s=TIMEOUT_S, shm=shm)
 
 
 def timed(fn):
@@ -54,34 +55,48 @@ def timed(fn):
     return time.monotonic() - start, None
 
 
-def test_hung_then_dead_node_bounds_every_wait(redis_server, tmp_path):
-    proc = start_node(redis_server.url, "faults", tmp_path / "pool.log")
-    connected = client(redis_server.url, "faults", "connected")  # has a pair group when the node hangs
-    fresh = client(redis_server.url, "faults", "fresh")  # connects only after
+@pytest.mark.parametrize("transport", ["pair", "shm"])
+def test_hung_then_dead_node_bounds_every_wait(redis_server, tmp_path, transport):
+    """Through the pair group every wait on a hung or dead node is bounded. Through the shared slab a
+    get needs no node at all (the slab still holds its blocks: bit-exact), puts are bounded, and once
+    the dead node left the registry the client unmaps its slab and gets fail like the pair group's."""
+    shm = transport == "shm"
+    namespace = f"faults-{transport}"
+    proc = start_node(redis_server.url, namespace, tmp_path / "pool.log")
+    connected = client(redis_server.url, namespace, "connected", shm)  # talked to the node before it hangs
+    fresh = client(redis_server.url, namespace, "fresh", shm)  # only after
     try:
         assert wait_for_nodes(connected, 1, 60), "the pool node did not register"
         data = torch.randn(3, *LAYOUT.shape)
         keys = [bytes([7, i]) * 8 for i in range(3)]
         locations = connected.put("w", keys, data)
         assert torch.equal(connected.get("r", locations), data)
+        assert (connected.nodes["n0"].shm is not None) == shm
         wait_for(lambda: len(connected.lookup_prefix(keys)) == 3, 10, "publishing")
 
         proc.send_signal(signal.SIGSTOP)  # hangs: connections are accepted, nothing answers
         for who in (connected, fresh):
-            elapsed, err = timed(lambda c=who: c.get("r", locations))
-            assert err is not None and elapsed < TIMEOUT_S + 3, (who.peer_id, elapsed, err)
+            if shm:
+                assert torch.equal(who.get("r", locations), data)
+            else:
+                elapsed, err = timed(lambda c=who: c.get("r", locations))
+                assert err is not None and elapsed < TIMEOUT_S + 3, (who.peer_id, elapsed, err)
         elapsed, err = timed(lambda: connected.put("w2", [b"x" * 16], data[:1]))
         assert err is not None and elapsed < TIMEOUT_S + 3, (elapsed, err)
 
         proc.kill()  # kill -9
         proc.wait(10)
-        for who in (connected, fresh):
-            elapsed, err = timed(lambda c=who: c.get("r", locations))
-            assert err is not None and elapsed < TIMEOUT_S + 3, (who.peer_id, elapsed, err)
+        elapsed, err = timed(lambda: fresh.put("w3", [b"y" * 16], data[:1]))
+        assert err is not None and elapsed < TIMEOUT_S + 3, (elapsed, err)
         # within a heartbeat TTL (+ the lookup's live-set cache) its entries are misses, then deleted
         meta = connected.meta
         wait_for(lambda: connected.lookup_prefix(keys) == [], TTL_S + 3, "the dead node's entries to go")
         assert meta.client.get(meta._bkey(keys[0])) is None
+        for who in (connected, fresh):
+            who.refresh()  # the node left the registry: its slab is unmapped
+            assert who.nodes["n0"].shm is None
+            elapsed, err = timed(lambda c=who: c.get("r", locations))
+            assert err is not None and elapsed < TIMEOUT_S + 3, (who.peer_id, elapsed, err)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -116,7 +131,8 @@ def greedy(ids, **kw):
 
 def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_model_dir, tmp_path):
     """Two pool nodes, two decode workers: the node holding a prompt's blocks hangs, a decode worker
-    that never saw the prompt pulls from it (bounded by the transfer timeout, then recomputes), the
+    that never saw the prompt pulls from it (through the shared slab, on this host: served without
+    the node; the pair-group path's bounded wait is `test_hung_then_dead_node_bounds_every_wait`), the
     node is killed, and after a TTL its blocks are misses and requests are served by the other node."""
     cfg = make_cluster_config(
         tiny_model_dir,
@@ -124,6 +140,9 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
         "test-pool-faults",
         pool=PoolSettings(nodes=2, memory_gib=0.1),
         decode=WorkerGroupSettings(replicas=2, engine=ENGINE),
+        # the killed node stays down: restarted under its id it would be live again at once, and its
+        # old entries would stay until a read found them stale (test_launcher_restarts covers that)
+        restarts=RestartSettings(max=0),
     )
     transfer_timeout = inspect.signature(PoolClient).parameters["transfer_timeout_s"].default  # workers'
     with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as api:
@@ -148,7 +167,9 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
             hung = api.generate(greedy(prompt), timeout=120)
             elapsed = time.monotonic() - start
             assert hung.token_ids == expected.token_ids
-            assert decode_totals() == (48, 48)  # B's pull failed: it recomputed the prompt
+            # B is on the node's host: it reads the blocks from the node's shared slab, which needs no
+            # answer from the node (the slab still holds them, checked by generation): no recompute
+            assert decode_totals() == (96, 0)
             assert elapsed < transfer_timeout + 5, f"{elapsed:.1f}s with a hung pool node"
         finally:
             node.kill()  # kill -9 (also when the test failed while the node was stopped)

@@ -354,7 +354,7 @@ def _probes(fc: FaultCluster) -> list[tuple]:
         calls += [
             (addr, "/kvferry.v1.KVPool/GetStats", pool_pb2.PoolStatsRequest(), False),
             (addr, "/kvferry.v1.KVPool/Release", pool_pb2.ReleaseRequest(request_id="x"), False),
-            (addr, "/kvferry.v1.KVPool/Get", pool_pb2.GetRequest(), False),
+            (addr, "/kvferry.v1.KVPool/Reserve", pool_pb2.ReserveRequest(peer_id="x", count=1), False),
         ]
     return calls
 

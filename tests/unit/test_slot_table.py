@@ -390,3 +390,131 @@ def test_random_operations_keep_the_indexes_equal_to_a_scan(seed):
     table.check()
     assert table.stats()["leases"] == {} and not table.by_request
     assert len(table.free) + table.stats()["published"] == 6
+
+
+# -- reservations: a client sets slots aside, then names them in its puts ---------------------------------
+def reserving(num_slots: int = 6, clock: Clock | None = None) -> SlotTable:
+    return SlotTable(
+        num_slots,
+        HEADS,
+        NODE,
+        private_ttl_s=100.0,
+        assemble_timeout_s=10.0,
+        reserve_ttl_s=30.0,
+        clock=clock or Clock(),
+    )
+
+
+def test_a_put_takes_the_slots_its_client_reserved():
+    table = reserving()
+    slots, evicted = table.reserve("c1", 3)
+    assert [s for s, _ in slots] == [0, 1, 2] and evicted == []
+    assert all(table.slots[s].state == SlotState.RESERVED for s, _ in slots)
+    assert table.available() == 3  # reserved slots are nobody else's to take
+    table.check()
+    plan = table.begin_write("r", [key(1), key(2)], owner="c1", named=slots[:2], allocate=False)
+    assert plan.slots == [0, 1] and plan.sources == [0, 1]
+    publish, _ = table.finish_write(plan)
+    assert [loc.slot for loc in publish] == [0, 1]
+    assert table.slots[2].state == SlotState.RESERVED  # not named: still c1's
+    table.check()
+
+
+def test_a_named_slot_that_is_not_the_owners_reservation_is_never_written():
+    table = reserving()
+    slots, _ = table.reserve("c1", 2)
+    stale = (slots[0][0], slots[0][1] + 1)  # a generation it never had
+    plan = table.begin_write("r", [key(1), key(2)], owner="c2", named=slots, allocate=False)
+    assert plan.slots == [None, None]  # another client's reservation: not stored
+    plan = table.begin_write("r", [key(1)], owner="c1", named=[stale], allocate=False)
+    assert plan.slots == [None]
+    table.abort_write(plan)
+    plan = table.begin_write("r", [key(1)], owner="c1", named=[stale])  # over the pair group: allocated
+    assert plan.slots[0] not in (s for s, _ in slots)
+    table.finish_write(plan)
+    assert all(table.slots[s].state == SlotState.RESERVED for s, _ in slots)
+    table.check()
+
+
+def test_named_slots_a_put_does_not_need_go_back_when_it_is_done():
+    table = reserving()
+    (done,) = put(table, "r0", [key(1)])[1]  # key 1 is complete here already
+    slots, _ = table.reserve("c1", 2)
+    plan = table.begin_write("r", [key(1), key(2)], owner="c1", named=slots)
+    assert plan.slots == [None, slots[1][0]] and plan.spare == [slots[0]]
+    assert table.finish_write(plan)[0][-1] == done  # answered with the copy it already has
+    assert table.slots[slots[0][0]].state == SlotState.FREE
+    table.check()
+
+
+def test_a_tp_slice_written_into_its_own_slot_joins_the_first_ranks_slot():
+    table = reserving()
+    rank0, _ = table.reserve("rank0", 1)
+    rank1, _ = table.reserve("rank1", 1)
+    first = table.begin_write("r", [key(1)], owner="rank0", named=rank0, allocate=False)
+    second = table.begin_write("r", [key(1)], owner="rank1", named=rank1, allocate=False)
+    assert second.slots == first.slots == [rank0[0][0]]
+    assert second.sources == [rank1[0][0]]  # the node copies rank 1's slice from here
+    table.finish_write(first, 0, 2)
+    publish, assembled = table.finish_write(second, 2, 4)
+    assert assembled and [loc.slot for loc in publish] == [rank0[0][0]]
+    assert table.slots[rank1[0][0]].state == SlotState.FREE
+    table.check()
+
+
+def test_reservations_lapse_when_their_client_stops_using_them():
+    clock = Clock()
+    table = reserving(clock=clock)
+    slots, _ = table.reserve("gone", 2)
+    live, _ = table.reserve("live", 1)
+    clock.now = 20.0
+    table.begin_write("r", [key(1)], owner="live", named=[live[0]])  # renews live's lease
+    clock.now = 31.0
+    assert table.expire() == 2
+    assert all(table.slots[s].state == SlotState.FREE for s, _ in slots)
+    assert "gone" not in table.reserved
+    table.check()
+
+
+def test_a_connected_clients_reservations_are_renewed_not_lapsed():
+    clock = Clock()
+    table = reserving(clock=clock)
+    slots, _ = table.reserve("stalled", 2)
+    for now in (20.0, 40.0, 60.0):  # the node's sweeps: the client's pair group is still open
+        clock.now = now
+        table.renew(["stalled", "never-reserved"])
+        assert table.expire() == 0
+    assert all(table.slots[s].state == SlotState.RESERVED for s, _ in slots)
+    assert "never-reserved" not in table.reserve_expires
+    clock.now = 91.0  # its pair group closed after the last renewal: the lease runs out
+    assert table.expire() == 2
+    table.check()
+
+
+def test_reserving_evicts_least_recently_used_blocks_when_the_slab_is_full():
+    table = reserving(num_slots=2)
+    put(table, "r", [key(1), key(2)])
+    slots, evicted = table.reserve("c1", 3)
+    assert len(slots) == 2 and {loc.key for loc in evicted} == {key(1), key(2)}
+    assert table.reserve("c2", 1) == ([], [])  # nothing left to take
+    table.check()
+
+
+def test_consumed_frees_a_private_block_read_without_a_lease():
+    table = reserving()
+    put(table, "r", [key(1)], [True])
+    private = next(s for s in table.slots if s.state == SlotState.PRIVATE)
+    stale = Location(private.key, NODE, private.index, private.generation + 1)
+    assert table.consumed([stale]) == 0
+    fresh = Location(private.key, NODE, private.index, private.generation)
+    assert table.consumed([fresh]) == 1 and private.state == SlotState.FREE
+    table.check()
+
+
+def test_every_state_change_is_observed_after_the_generation_rose():
+    seen = []
+    table = SlotTable(2, HEADS, NODE, on_change=lambda s: seen.append((s.index, s.generation, s.state)))
+    slots, _ = table.reserve("c", 1)
+    plan = table.begin_write("r", [key(1)], owner="c", named=slots)
+    table.finish_write(plan)
+    assert seen == [(0, 1, SlotState.RESERVED), (0, 1, SlotState.WRITING), (0, 1, SlotState.PUBLISHED)]
