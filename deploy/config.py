@@ -75,6 +75,17 @@ class PoolSettings:
     per_ray_node: bool = True  # on Ray: one pool node on every Ray node (else `nodes`, spread)
     private_ttl_s: float = 20.0  # an unread, unreleased private tail block (its router died) lives this long
     resources: dict = field(default_factory=dict)  # on Ray: what a pool node's actor reserves
+    # the disk tier: evicted blocks spill to <disk_dir>/<node id> (None = off), up to disk_max_gib per node
+    disk_dir: str | None = None
+    disk_max_gib: float = 0.0
+
+    def __post_init__(self):
+        if self.disk_dir is not None and self.disk_max_gib <= 0:
+            raise ClusterConfigError(
+                f"pool.disk_max_gib must be > 0 with pool.disk_dir, got {self.disk_max_gib}"
+            )
+        if self.disk_dir is None and self.disk_max_gib:
+            raise ClusterConfigError("pool.disk_max_gib needs pool.disk_dir")
 
 
 @dataclass(frozen=True)

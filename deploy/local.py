@@ -382,11 +382,15 @@ def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) 
     """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers').
     Like every member's, it gets the Redis URL from its environment (redis_env), not its arguments."""
     slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
+    disk = []
+    if cfg.pool.disk_dir is not None:  # a directory per node: a node's tier locks its own
+        disk = ["--disk-dir", f"{cfg.pool.disk_dir}/{node_id}", "--disk-max-gib", str(cfg.pool.disk_max_gib)]
     return [
         *(sys.executable, "-m", "kvferry.kvpool", "--node-id", node_id),
         *_common(cfg, host),
         *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
         *("--private-ttl-s", str(cfg.pool.private_ttl_s)),
+        *disk,
     ]
 
 

@@ -49,7 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         default=PoolNodeConfig.reserve_ttl_s,
         help="slots a client reserved go back to the pool this long after its last reserve or put",
     )
+    p.add_argument(
+        "--disk-dir",
+        default="",
+        help="spill evicted blocks to files here (one directory per node; kept across restarts)",
+    )
+    p.add_argument("--disk-max-gib", type=float, default=0.0, help="the disk tier's size (with --disk-dir)")
     args = p.parse_args(argv)
+    if bool(args.disk_dir) != (args.disk_max_gib != 0):
+        p.error("--disk-dir and --disk-max-gib go together")
+    if args.disk_dir and args.disk_max_gib <= 0:
+        p.error("--disk-max-gib must be > 0")
     if args.private_ttl_s <= 0:
         p.error("--private-ttl-s must be > 0")
     if args.reserve_ttl_s <= 2 * args.transfer_timeout_s:
@@ -71,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         private_ttl_s=args.private_ttl_s,
         reserve_ttl_s=args.reserve_ttl_s,
         shm=not args.no_shm,
+        disk_dir=args.disk_dir,
+        disk_max_gib=args.disk_max_gib,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

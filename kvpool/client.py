@@ -10,6 +10,9 @@ per transfer:
   asynchronously, as a put's), and a get is a lock-free memcpy out of the slab checked against the
   slot generations (no RPC, no socket; `Consumed` only for private blocks read whole). A client that
   cannot map the file, or `shm=False`, uses the pair group.
+- A get that names blocks in a node's disk tier (`metadata.DISK_SLOT`) first asks that node to
+  `Restore` them (one RPC per node per get): the answer names the slots they were loaded into, read
+  then as any others (a same-host reader cannot load a file itself: it reads only the slab).
 - Otherwise the pair group to the node (`dataplane.PairLink`: made the first time it is needed, NCCL
   when both ends keep blocks on CUDA, gloo otherwise) carries a tensor header and the data. Its
   transfers run in tag order on one thread per node, so a put returns once its data is handed over
@@ -35,7 +38,7 @@ import grpc
 import torch
 
 from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, PairLink, PoolError, Put
-from kvferry.kvpool.metadata import Location, MetadataStore
+from kvferry.kvpool.metadata import DISK_SLOT, Location, MetadataStore
 from kvferry.kvpool.node import NODE_ROLE
 from kvferry.kvpool.shm import SharedSlab, boot_id
 from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
@@ -343,16 +346,33 @@ class PoolClient:
             ):
                 end += 1
             node = self._node(locations[start].node_id)
-            run = locations[start:end]
+            asked = end - start
+            run = self._restore(node, locations[start:end])
             shm = node.shm
-            if shm is not None:
+            if not run:
+                served = 0
+            elif shm is not None:
                 served = self._get_shm(node, shm, request_id, run, head_begin, head_end, start, consume)
             else:
                 served = node.link.get(request_id, run, head_begin, head_end, start, consume)
             start += served
-            if served < len(run):
+            if served < asked:
                 break
         return start
+
+    def _restore(self, node: _Node, run: Sequence[Location]) -> Sequence[Location]:
+        """`run` with its blocks in the node's disk tier loaded into its slab (`Restore`), up to the
+        first it no longer holds; a failed call ends the run before its first disk block."""
+        first = next((i for i, loc in enumerate(run) if loc.slot == DISK_SLOT), None)
+        if first is None:
+            return run
+        request = pool_pb2.RestoreRequest(blocks=[to_proto(loc) for loc in run])
+        try:
+            reply = node.stub.Restore(request, timeout=self.transfer_timeout_s)
+        except grpc.RpcError as err:
+            log.warning("restoring %d blocks from %s's disk failed: %s", len(run) - first, node.node_id, err)
+            return run[:first]
+        return [from_proto(loc) for loc in reply.blocks][: len(run)]
 
     def pull_into_cache(
         self,

@@ -4,6 +4,9 @@ Layout (every key under `kvf:{namespace}:`):
 - `b:{key hex}` -> "node_id slot generation", written only after the block's data is complete on the
   node (so a reader never finds a half-written block) and deleted on eviction when it still names the
   evicted slot (compare-and-delete, so a newer copy elsewhere is never dropped).
+- `d:{key hex}` -> "node_id generation": the block is in that node's disk tier (`disk.py`), in the file
+  of that generation; a `Location` with `slot == DISK_SLOT`. Kept apart from `b:` so the memory copy and
+  the disk copy come and go independently; a lookup prefers a live `b:` entry and falls back to `d:`.
 - `n:{role}:{id}` -> JSON {addr, ...}, refreshed by its owner's heartbeat with a TTL: a node or worker
   that stops beating disappears from the registry.
 - `m:{role}` -> SET of the ids of that role, added to by every heartbeat (with the record, in one
@@ -53,7 +56,18 @@ end
 return n
 """
 
+# drop each KEYS[i] whose value names node ARGV[1] (a restarted node's memory entries: its slab is new)
+_FORGET_NODE = """
+local n = 0
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v and string.sub(v, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ' ' then n = n + redis.call('DEL', key) end
+end
+return n
+"""
+
 POOL_ROLE = "pool"  # the registry role of the pool nodes
+DISK_SLOT = 2**32 - 1  # the slot of a location in a node's disk tier (a `d:` entry)
 
 
 @dataclass(frozen=True)
@@ -133,13 +147,20 @@ class MetadataStore:
     def _bkey(self, key: bytes) -> str:
         return f"{self.prefix}b:{key.hex()}"
 
+    def _dkey(self, key: bytes) -> str:
+        return f"{self.prefix}d:{key.hex()}"
+
+    def _entry(self, loc: Location) -> tuple[str, str]:
+        """(Redis key, value) of a location: a `d:` entry for a disk location, else a `b:` one."""
+        if loc.slot == DISK_SLOT:
+            return self._dkey(loc.key), f"{loc.node_id} {loc.generation}"
+        return self._bkey(loc.key), f"{loc.node_id} {loc.slot} {loc.generation}"
+
     def publish(self, locations: Sequence[Location]) -> bool:
         if not locations:
             return True
         try:  # one MSET: a command per block costs the pool's publisher thread more than the transfer
-            self.client.mset(
-                {self._bkey(loc.key): f"{loc.node_id} {loc.slot} {loc.generation}" for loc in locations}
-            )
+            self.client.mset(dict(map(self._entry, locations)))
         except redis.RedisError as err:
             self._failed(err)
             return False
@@ -150,8 +171,7 @@ class MetadataStore:
         """Delete each entry that still names that exact (node, slot, generation)."""
         if not locations:
             return
-        keys = [self._bkey(loc.key) for loc in locations]
-        values = [f"{loc.node_id} {loc.slot} {loc.generation}" for loc in locations]
+        keys, values = zip(*map(self._entry, locations), strict=True)
         try:
             self.client.eval(_COMPARE_AND_DELETE, len(keys), *keys, *values)
         except redis.RedisError as err:
@@ -159,21 +179,35 @@ class MetadataStore:
             return
         self._ok()
 
+    def forget_node_blocks(self, keys: Sequence[bytes], node_id: str) -> None:
+        """Delete the `b:` entries of `keys` that name `node_id`: a restarted node's slab holds none of
+        them, and a stale memory entry would hide the key's disk entry from lookups."""
+        if not keys:
+            return
+        try:
+            self.client.eval(_FORGET_NODE, len(keys), *(self._bkey(k) for k in keys), node_id)
+        except redis.RedisError as err:
+            self._failed(err)
+            return
+        self._ok()
+
     def lookup(self, keys: Sequence[bytes]) -> list[Location | None]:
-        """Location of each key (None when unknown, or on a pool node that is not live); all None while
-        Redis is unreachable. Entries on a node whose registry record lapsed are deleted."""
+        """Location of each key (None when unknown, or on a pool node that is not live): its live memory
+        copy, else its live disk copy (`slot == DISK_SLOT`); all None while Redis is unreachable. Entries
+        on a node whose registry record lapsed are deleted."""
         if not keys:
             return []
-        try:
-            values = self.client.mget([self._bkey(k) for k in keys])
+        try:  # one MGET of both kinds of entry
+            values = self.client.mget([self._bkey(k) for k in keys] + [self._dkey(k) for k in keys])
         except redis.RedisError as err:
             self._failed(err)
             return [None] * len(keys)
         self._ok()
-        out: list[Location | None] = []
-        for key, value in zip(keys, values, strict=True):
-            out.append(None if value is None else _parse_location(key, value))
-        return self._drop_dead(out)
+        n = len(keys)
+        found = [None if v is None else _parse_location(k, v) for k, v in zip(keys, values[:n], strict=True)]
+        found += [None if v is None else _parse_disk(k, v) for k, v in zip(keys, values[n:], strict=True)]
+        live = self._drop_dead(found)
+        return [memory or disk for memory, disk in zip(live[:n], live[n:], strict=True)]
 
     def _drop_dead(self, found: list[Location | None]) -> list[Location | None]:
         """`found` without the locations on pool nodes that are not live. The live set is reused for
@@ -198,7 +232,8 @@ class MetadataStore:
         return [loc if loc is not None and loc.node_id in live else None for loc in found]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Location]:
-        """Locations of the leading keys of a chain that the pool holds (stops at the first miss)."""
+        """Locations of the leading keys of a chain that the pool holds, in memory or on disk (stops at the
+        first miss)."""
         found = []
         for loc in self.lookup(keys):
             if loc is None:
@@ -275,6 +310,16 @@ class MetadataStore:
             return None
         self._malformed.discard(name)
         return record
+
+
+def _parse_disk(key: bytes, value: bytes) -> Location | None:
+    """A disk entry "node generation"; None (a miss) for anything else."""
+    try:
+        node, gen = value.decode().split(" ")
+        return Location(key, node, DISK_SLOT, int(gen))
+    except ValueError:
+        log.warning("malformed disk entry %s: %.100r", key.hex(), value)
+        return None
 
 
 def _parse_location(key: bytes, value: bytes) -> Location | None:

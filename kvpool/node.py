@@ -14,6 +14,13 @@ is the `SlotTable` in `slots.py`, which the node calls under its one lock. Here:
   (`_publisher`), in order; the heartbeat also runs the expiry sweep (private blocks, unassembled
   blocks, lapsed reservations) and republishes every complete block when Redis comes back empty, or
   when the node's own registry record had lapsed (readers drop the entries of a node missing from it).
+- With `disk_dir`, a disk tier (`disk.py`): every published block evicted from the slab is spilled to
+  it (copied under the lock that evicted it, so before anyone can write the slot again) and published
+  as a `d:` entry (`metadata.DISK_SLOT`). `Restore` brings a get's leading disk blocks back into free
+  slots under fresh generations (a copy already in memory is reused; a restore counts in `blocks_in`)
+  and publishes them; the client then reads them as any others, over the pair group or the shared slab.
+  The files outlive the process: a restarted node publishes them again, after deleting the memory
+  entries of those keys that still name it (the previous process's slab).
 - On CPU the slab is a /dev/shm file (`shm.py`) advertised in the registry record, so clients on this
   host move KV by memcpy; it is unlinked when the node stops.
 - `transfer_timeout_s` bounds every wait on a peer within a transfer (its pair group's sends and
@@ -38,9 +45,10 @@ import torch
 import torch.distributed as dist
 
 from kvferry.kvpool.dataplane import COMMIT, GET, IDLE, Header, answer_tag, encode_answer, header_buffer
-from kvferry.kvpool.metadata import POOL_ROLE, Location, MetadataStore
+from kvferry.kvpool.disk import DiskTier, copy_block
+from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.shm import Mirror, SharedSlab, boot_id
-from kvferry.kvpool.slots import PutPlan, SlotTable
+from kvferry.kvpool.slots import PutPlan, SlotState, SlotTable
 from kvferry.kvpool.transfer import (
     BlockLayout,
     Staging,
@@ -93,6 +101,8 @@ class PoolNodeConfig:
     reserve_ttl_s: float = 30.0  # a client's reserved slots lapse this long after its last reserve or put
     max_reserve: int = 1024  # slots one Reserve hands out at most
     shm: bool = True  # on CPU, keep the slab in /dev/shm for same-host clients
+    disk_dir: str = ""  # the disk tier's directory ("" = none); one per node, kept across restarts
+    disk_max_gib: float = 0.0  # the disk tier's size
 
 
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
@@ -127,6 +137,19 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
+        self.disk: DiskTier | None = None
+        if cfg.disk_dir:
+            self.disk = DiskTier(
+                cfg.disk_dir,
+                int(cfg.disk_max_gib * 2**30),
+                layout,
+                self.node_id,
+                on_stored=lambda key, gen: self.outbox.put(("publish", [self._on_disk(key, gen)])),
+                on_dropped=lambda key, gen: self.outbox.put(("unpublish", self._on_disk(key, gen))),
+            )
+
+    def _on_disk(self, key: bytes, generation: int) -> Location:
+        return Location(key, self.node_id, DISK_SLOT, generation)
 
     def _shared_slab(self) -> SharedSlab | None:
         if not self.cfg.shm or self.device.type != "cpu":
@@ -183,8 +206,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         count = min(request.count, self.cfg.max_reserve)
         with self.lock:
             slots, evicted = self.table.reserve(request.peer_id, count)
-        for loc in evicted:
-            self.outbox.put(("unpublish", loc))
+            self._evicted(evicted)
         return pool_pb2.ReserveResponse(
             slots=[s for s, _ in slots], generations=[g for _, g in slots], ttl_s=self.cfg.reserve_ttl_s
         )
@@ -260,8 +282,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         named = [None if s < 0 else (s, g) for s, g in zip(h.slots, h.generations, strict=True)]
         with self.lock:
             plan = self.table.begin_write(h.request_id, h.keys, h.private, owner=peer.peer_id, named=named)
-        for loc in plan.evicted:
-            self.outbox.put(("unpublish", loc))
+            self._evicted(plan.evicted)
         n, rows = len(h.keys), plan.rows
         full = h.head_begin == 0 and h.head_end == self.layout.num_kv_heads
         slot_ids = [plan.slots[i] for i in rows]
@@ -305,8 +326,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             for src, dst in zip(plan.sources, plan.slots, strict=True):
                 if src is not None and dst is not None and src != dst:
                     self.slab[dst, :, :, hb:he] = self.slab[src, :, :, hb:he]
-        for loc in plan.evicted:
-            self.outbox.put(("unpublish", loc))
+            self._evicted(plan.evicted)  # none: a commit takes only its reserved slots
         self._answer(peer, plan, h, tag)
 
     def _answer(self, peer: Peer, plan: PutPlan, h: Header, tag: int) -> None:
@@ -362,9 +382,81 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 whole = head_end - head_begin == self.layout.num_kv_heads
                 self.table.end_lease(h.request_id, slot_ids, whole)
 
+    # -- the disk tier ---------------------------------------------------------------------------------
+    def _evicted(self, evicted: list[Location]) -> None:
+        """Blocks just evicted from their slots: unpublish them, and spill them to the disk tier (a copy;
+        at most the tier's `queue_depth` blocks, the rest are dropped at once). Called under the lock
+        that evicted them, before it is let go: from then on another rank's put of the slot's new key
+        may join it and land its slice there."""
+        for loc in evicted:
+            self.outbox.put(("unpublish", loc))
+            if self.disk is not None:
+                self.disk.spill(loc.key, self.slab[loc.slot])
+
+    def Restore(self, request, context):
+        """The leading blocks of a get that this node holds, its disk blocks restored into the slab
+        (memory locations pass as they are: the get checks them); all within `transfer_timeout_s`."""
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        out = []
+        for block in request.blocks:
+            loc = Location(block.key, block.node_id, block.slot, block.generation)
+            if loc.slot == DISK_SLOT:
+                if self.disk is None or loc.node_id != self.node_id:
+                    break
+                loc = self._restore(loc, deadline)
+                if loc is None:
+                    break
+            out.append(
+                pool_pb2.BlockLocation(
+                    key=loc.key, node_id=loc.node_id, slot=loc.slot, generation=loc.generation
+                )
+            )
+        return pool_pb2.RestoreResponse(blocks=out)
+
+    def _restore(self, loc: Location, deadline: float) -> Location | None:
+        """Where block `loc` (on this node's disk) is in the slab: its copy there, if one is complete
+        (waiting, bounded, for one being written: another TP rank's restore of it), else a free or
+        evicted slot it is loaded into; None on a miss (its `d:` entry is dropped)."""
+        with self.lock:
+            while (slot := self.table.existing(loc.key)) is not None and slot.state == SlotState.WRITING:
+                if not self.assembled.wait(max(0.0, deadline - time.monotonic())):
+                    return None
+            if slot is not None:  # PUBLISHED
+                return self.table.location(slot)
+            plan = self.table.begin_write("", [loc.key])
+            self._evicted(plan.evicted)
+        if plan.slots[0] is None:  # every slot is pinned
+            return None
+        loaded = self._load(loc.key, plan.slots[0])
+        with self.lock:
+            if loaded:
+                publish, _ = self.table.finish_write(plan)
+                found = self.table.locations_for(plan)[0]
+            else:
+                self.table.abort_write(plan)
+                found = None
+            self.assembled.notify_all()  # restores of the same key waiting on this one
+        if loaded:
+            self.outbox.put(("publish", publish))
+        else:  # compare-and-delete: a newer file of the key keeps its entry
+            self.outbox.put(("unpublish", loc))
+        return found
+
+    def _load(self, key: bytes, slot: int) -> bool:
+        """Read the block's file, and only once it checked out copy it into the slot: a put of the same
+        key (another rank's slice) may join the slot meanwhile, and must never find a bad file's bytes."""
+        block = self.disk.load(key)
+        if block is not None:
+            copy_block(self.slab[slot], block)
+        return block is not None
+
+    def _disk_locations(self) -> list[Location]:
+        return [] if self.disk is None else [self._on_disk(k, g) for k, g in self.disk.entries()]
+
     def GetStats(self, request, context):
         with self.lock:
             stats = self.table.stats()
+        disk = {} if self.disk is None else self.disk.stats()
         return pool_pb2.PoolStats(
             node_id=self.node_id,
             num_slots=stats["num_slots"],
@@ -377,6 +469,14 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             evictions=stats["evictions"],
             stale_gets=stats["stale_gets"],
             reserved=stats["reserved"],
+            disk_files=disk.get("files", 0),
+            disk_bytes=disk.get("bytes_used", 0),
+            disk_hits=disk.get("disk_hits", 0),
+            disk_misses=disk.get("disk_misses", 0),
+            disk_spills=disk.get("spills", 0),
+            disk_spill_drops=disk.get("spill_drops", 0),
+            disk_corrupt=disk.get("corrupt", 0),
+            disk_evictions=disk.get("evictions", 0),
             block_shape=list(self.layout.shape),
             dtype=self.layout.dtype,
         )
@@ -389,20 +489,28 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         peer.closed = True
 
     def check_redis(self) -> None:
-        """Republish every complete block when Redis comes back empty (restarted, or a new server), or
-        when this node's registry record had lapsed (a reader then drops its entries as a dead node's)."""
+        """Republish every complete block (and disk block) when Redis comes back empty (restarted, or a
+        new server), or when this node's registry record had lapsed (a reader then drops its entries as a
+        dead node's). The first check publishes the disk tier's blocks (kept from a previous run), after
+        deleting the memory entries of those keys that name this node (the previous run's slab)."""
         server = self.meta.server_id()
         if server is None:
             return
         fresh, self._registrations = self._registrations, self.meta.fresh_registrations
-        if self._redis_id is None:  # the first check: the node's first registration, nothing to redo
+        if self._redis_id is None:  # the first check: the node's first registration
             self._redis_id = server
+            held = self._disk_locations()
+            if held:
+                self.meta.forget_node_blocks([loc.key for loc in held], self.node_id)
+                log.info("publishing %d blocks of the disk tier", len(held))
+                self.outbox.put(("publish", held))
             return
         restarted, lapsed = server != self._redis_id, fresh < self._registrations
         self._redis_id = server
         if restarted or lapsed:
             with self.lock:
                 held = self.table.published_locations()
+            held += self._disk_locations()
             why = f"redis restarted (run id {server})" if restarted else "the registry record had lapsed"
             log.warning("%s: republishing %d blocks", why, len(held))
             self.outbox.put(("publish", held))
@@ -461,3 +569,5 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         finally:
             if self.shm is not None:
                 self.shm.unlink()  # mapped clients keep their view; nobody new can open it
+            if self.disk is not None:
+                self.disk.close()  # writes what is queued, releases the directory

@@ -240,3 +240,19 @@ def test_router_routing_mode_reaches_its_command_and_is_checked():
     assert "kv-aware" in router_argv(ClusterConfig(), "tiny", "127.0.0.1", 5, None)
     with pytest.raises(ClusterConfigError, match=r"router\.routing"):
         cluster_config_from_dict({"router": {"routing": "random"}}).validate()
+
+
+def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(tiny_model_dir):
+    from kvferry.deploy.config import PoolSettings, cluster_layout
+    from kvferry.deploy.local import pool_argv
+    from kvferry.model.config import ModelConfig
+
+    for bad in ({"disk_dir": "/x"}, {"disk_max_gib": 1.0}, {"disk_dir": "/x", "disk_max_gib": -1}):
+        with pytest.raises(ClusterConfigError):
+            PoolSettings(**bad)
+    cfg = cluster_config_from_dict({"pool": {"disk_dir": "/d", "disk_max_gib": 2}})
+    layout = cluster_layout(cfg, ModelConfig.from_dir(tiny_model_dir))
+    argv = pool_argv(cfg, layout, "pool-0", "127.0.0.1")
+    assert argv[argv.index("--disk-dir") + 1] == "/d/pool-0"
+    assert float(argv[argv.index("--disk-max-gib") + 1]) == 2
+    assert "--disk-dir" not in pool_argv(ClusterConfig(), layout, "pool-0", "127.0.0.1")
