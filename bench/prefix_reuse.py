@@ -1,9 +1,9 @@
 """Prefix reuse: TTFT of a 2k-token prompt computed cold vs. served from a cached prefix, on the bench model.
 
-Brings up a local cluster (LocalCluster: redis, a pool node, --prefill-replicas prefill workers, a decode
-worker, the router) and, in each of --repeats rounds with fresh random prompts (nothing carries over
-between rounds), calls the prefill workers' own `Prefill` RPC on the worker it picks (P, Q: the two
-workers swap roles every round):
+Brings up a local cluster (LocalCluster: redis, a pool node with a disk tier in a temp dir,
+--prefill-replicas prefill workers, a decode worker, the router) and, in each of --repeats rounds with
+fresh random prompts (nothing carries over between rounds), calls the prefill workers' own `Prefill` RPC
+on the worker it picks (P, Q: the two workers swap roles every round):
 - cold: prompt A (--prompt-len tokens) on P: nothing cached anywhere; its KV goes to the pool;
 - pool: A's first --shared-frac (90%) tokens, rounded down to whole blocks, + fresh tokens on Q: the
   prefix is pulled from the pool (another worker's KV);
@@ -11,20 +11,28 @@ workers swap roles every round):
 - identical: A again on P: every full block cached, only the last block's tokens are computed.
 Then through the router's `Generate` (max_tokens 1, so TTFT = the call): a fresh prompt (router_cold)
 and one sharing its prefix (router_shared; the router picks the worker, so that hit may be local or
-pooled: `router_shared_pool_tokens` says which). Each call's TTFT is its wall time as the client sees
-it (for a Prefill call: admission, prefix lookup and pull, compute, the KV write to the pool, the answer);
-the workers' own split (queue, prefill compute incl. the pull, KV put) is reported too. Figures are
-medians over the rounds; ratios are against the cold TTFT of the same run. Greedy first tokens are
-checked: the identical repeat must give the cold run's token.
+pooled: `router_shared_pool_tokens` says which). Last:
+- disk: A's prefix pushed out of the pool's slab (SLAB_PROMPTS prompts' blocks, sized from the KV
+  layout's block bytes) onto its disk tier by junk blocks put straight into the pool, FILL_BLOCKS at a time
+  and each batch written before the next (the workers' own puts evict in bigger batches than the tier can
+  stage, and the overflow is dropped), then out of both workers' caches (the fewest blocks the engine
+  accepts) by `disk_flush_prompts` fresh prompts. Once the metadata names every block of the prefix on
+  disk (`DISK_SLOT`), the prefix + other fresh tokens on P, checked to pull exactly the prefix from the
+  pool, the pool's disk_hits up by as many blocks (a restore from disk, then the usual pull).
+Each call's TTFT is its wall time as the client sees it (for a Prefill call: admission, prefix lookup and
+pull, compute, the KV write to the pool, the answer); the workers' own split (queue, prefill compute incl.
+the pull, KV put) is reported too. Figures are medians over the rounds; ratios are against the cold TTFT
+of the same run. Greedy first tokens are checked: the identical repeat must give the cold run's token.
 
     python bench/prefix_reuse.py [--repeats 5] [--prompt-len 2048] [--shared-frac 0.9] [--prefill-replicas 2]
 
-Last line: one JSON object (cold_ms, pool_ms, local_ms, identical_ms, router_*_ms, *_ratio, ...).
+Last line: one JSON object (cold_ms, pool_ms, local_ms, identical_ms, disk_ms, router_*_ms, *_ratio, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,22 +48,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
 from kvferry import rpc
-from kvferry.deploy.config import ClusterConfig, RouterSettings
+from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, cluster_layout
 from kvferry.deploy.local import LocalCluster
-from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.client import PoolClient
+from kvferry.kvpool.metadata import DISK_SLOT, MetadataStore
+from kvferry.kvpool.transfer import BlockLayout
+from kvferry.model.config import ModelConfig
 from kvferry.router.client import Client, build_request
 from kvferry.v1 import generate_pb2, pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 16  # the cluster's default block size
 GREEDY_ONE = generate_pb2.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-CASES = ("cold", "pool", "local", "identical")
+CASES = ("cold", "pool", "local", "identical", "disk")
+# the pool's slab holds this many prompts' blocks: a round's puts before the disk case (A, the fresh tails
+# of pool and local, the router's two prompts: about 2.3 prompts) plus the workers' reserved slots, so
+# that only the filler's paced puts evict A's blocks
+SLAB_PROMPTS = 4
+DISK_GIB = 2.0
+# blocks per filler put (and per Reserve): at most the disk tier's 8 staging buffers, so no spill is dropped
+FILL_BLOCKS = 4
 
 
 class Prefills:
     """Stubs of the cluster's prefill workers and pool nodes (found in its Redis registry)."""
 
-    def __init__(self, cluster: LocalCluster, count: int):
-        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+    def __init__(self, cluster: LocalCluster, count: int, layout: BlockLayout):
+        self.meta = meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+        self.filler = PoolClient(meta, layout, peer_id="bench-filler", reserve_blocks=FILL_BLOCKS)
+        self.junk = torch.zeros(FILL_BLOCKS, *layout.shape, dtype=layout.torch_dtype)
         workers = sorted(meta.members("prefill").items())
         if len(workers) < count:
             raise SystemExit(f"expected {count} prefill workers, the registry lists {len(workers)}")
@@ -76,7 +96,43 @@ class Prefills:
             pool.Release(pool_pb2.ReleaseRequest(request_id=rid), timeout=10)
         return ms, reply
 
+    def disk_stat(self, name: str) -> int:
+        """A disk tier counter (`PoolStats` field), summed over the pool nodes."""
+        stats = (pool.GetStats(pool_pb2.PoolStatsRequest(), timeout=10) for pool in self.pools)
+        return sum(getattr(s, name) for s in stats)
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Until every block evicted so far is written to disk or dropped (the tier's writer is idle). A
+        block restored from disk and evicted again only refreshes its file, counted nowhere: at most once
+        per disk hit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = [pool.GetStats(pool_pb2.PoolStatsRequest(), timeout=10) for pool in self.pools]
+            if all(s.disk_spills + s.disk_spill_drops + s.disk_hits >= s.evictions for s in stats):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the disk tier's writer is still behind after {timeout} s")
+            time.sleep(0.02)
+
+    def spill(self, keys: list[bytes], max_blocks: int) -> None:
+        """Fill the slab with junk blocks until the metadata names every one of `keys` on disk. Puts of
+        FILL_BLOCKS, each settled before the next, evict at most as many blocks at a time as the disk tier
+        can stage: the workers' puts reserve slots in bigger batches, whose evictions mostly drop."""
+        self.settle()
+        for _ in range(0, max_blocks, FILL_BLOCKS):
+            if all(loc is not None and loc.slot == DISK_SLOT for loc in self.meta.lookup(keys)):
+                return
+            self.filler.put("bench-filler", [uuid.uuid4().bytes for _ in range(FILL_BLOCKS)], self.junk)
+            self.settle()
+        found = self.meta.lookup(keys)
+        kinds = "".join("-" if x is None else "d" if x.slot == DISK_SLOT else "m" for x in found)
+        drops = self.disk_stat("disk_spill_drops")
+        raise SystemExit(
+            f"A's prefix is not on disk after {max_blocks} filler blocks ({kinds}, drops {drops})"
+        )
+
     def close(self) -> None:
+        self.filler.close()
         for channel in self.channels:
             channel.close()
 
@@ -87,16 +143,27 @@ def router_ttft(client: Client, ids: list[int]) -> tuple[float, generate_pb2.Fin
     return (time.perf_counter() - start) * 1e3, result.finished
 
 
-def start_cluster(model: str, replicas: int, log_dir: Path) -> LocalCluster:
+def start_cluster(args, model: str, log_dir: Path, disk_dir: Path) -> tuple[LocalCluster, BlockLayout, int]:
+    """The cluster, its KV block layout, and `flush`: how many fresh prompts evict an older one from a
+    prefill worker's cache. The slab holds SLAB_PROMPTS prompts' blocks."""
+    model_cfg = ModelConfig.from_dir(Path(model))
+    prompt_blocks = -(-args.prompt_len // BLOCK_SIZE)
+    # the fewest blocks the engine accepts (max_model_len tokens), and at least two prompts
+    local_blocks = max(-(-model_cfg.max_position_embeddings // BLOCK_SIZE), 2 * prompt_blocks)
     router = RouterSettings(port=0, http_port=None)
     cfg = ClusterConfig(model=model, namespace="prefix-reuse", router=router)
-    cfg = replace(cfg, prefill=replace(cfg.groups("prefill")[0], replicas=replicas))
+    group = cfg.groups("prefill")[0]
+    engine = {**group.engine, "num_kv_blocks": local_blocks}
+    cfg = replace(cfg, prefill=replace(group, replicas=args.prefill_replicas, engine=engine))
+    layout = cluster_layout(cfg, model_cfg)
+    slab_gib = SLAB_PROMPTS * prompt_blocks * layout.block_bytes / 2**30
+    cfg = replace(cfg, pool=PoolSettings(memory_gib=slab_gib, disk_dir=str(disk_dir), disk_max_gib=DISK_GIB))
     cluster = LocalCluster(cfg, log_dir=log_dir, quiet=True)
     cluster.start()
-    return cluster
+    return cluster, layout, local_blocks // prompt_blocks + 1
 
 
-def run_rounds(args, prefills: Prefills, client: Client) -> dict[str, list]:
+def run_rounds(args, prefills: Prefills, client: Client, flush: int, slots: int) -> dict[str, list]:
     gen = torch.Generator().manual_seed(args.seed)
     vocab_hi = 8000
 
@@ -117,13 +184,26 @@ def run_rounds(args, prefills: Prefills, client: Client) -> dict[str, list]:
             "identical": (p, a),
         }
         round_ms, round_reply = {}, {}
-        for case in CASES:
+        for case in CASES[:-1]:
             round_ms[case], round_reply[case] = prefills.prefill(*prompts[case])
         if round_reply["identical"].first_token_id != round_reply["cold"].first_token_id:
             raise SystemExit(f"round {r}: the identical repeat's first token differs from the cold run's")
         d = fresh(args.prompt_len)
         cold_ms, cold_fin = router_ttft(client, d)
         shared_ms, shared_fin = router_ttft(client, d[:shared] + fresh(args.prompt_len - shared))
+        prefills.spill([b.key for b in round_reply["cold"].blocks[: shared // BLOCK_SIZE]], 2 * slots)
+        for i in range(2 * flush):  # A out of both workers' caches (its disk copy stays: the tier's LRU)
+            prefills.prefill(i % 2, fresh(args.prompt_len))
+        prefills.settle()  # the writer idle while the disk case runs
+        hits = prefills.disk_stat("disk_hits")
+        disk_prompt = a[:shared] + fresh(args.prompt_len - shared)
+        round_ms["disk"], round_reply["disk"] = prefills.prefill(p, disk_prompt)
+        restored = prefills.disk_stat("disk_hits") - hits
+        if round_reply["disk"].pool_cached_tokens != shared or restored != shared // BLOCK_SIZE:
+            raise SystemExit(
+                f"round {r}: the disk case pulled {round_reply['disk'].pool_cached_tokens} of {shared} "
+                f"prefix tokens from the pool, {restored} blocks from disk"
+            )
         rows["ms"].append(round_ms)
         rows["reply"].append(round_reply)
         rows["router_ms"].append({"cold": cold_ms, "shared": shared_ms})
@@ -131,7 +211,7 @@ def run_rounds(args, prefills: Prefills, client: Client) -> dict[str, list]:
     return rows
 
 
-def summarize(args, rows: dict[str, list]) -> dict:
+def summarize(args, rows: dict[str, list], flush: int) -> dict:
     def med(values) -> float:
         return round(statistics.median(values), 1)
 
@@ -145,6 +225,7 @@ def summarize(args, rows: dict[str, list]) -> dict:
     for case in CASES[1:]:
         out[f"{case}_ratio"] = round(out[f"{case}_ms"] / cold, 3)
     out["router_shared_ratio"] = round(out["router_shared_ms"] / out["router_cold_ms"], 3)
+    out["disk_flush_prompts"] = 2 * flush
     out["router_shared_pool_tokens"] = med(f["shared"].pool_cached_tokens for f in rows["router_finished"])
     for case in CASES:  # the worker's own split of each case
         replies = [rep[case] for rep in rows["reply"]]
@@ -172,15 +253,20 @@ def main() -> None:
     if args.prefill_replicas < 2:
         ap.error("--prefill-replicas must be >= 2 (the pool case needs a second worker)")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-prefix-reuse-"))
-    cluster = start_cluster(str(bench_model_dir(args.model)), args.prefill_replicas, log_dir)
-    prefills, client = Prefills(cluster, 2), Client(cluster.router_addr)
+    disk_dir = Path(tempfile.mkdtemp(prefix="kvferry-prefix-reuse-disk-"))
     try:
-        rows = run_rounds(args, prefills, client)
+        cluster, layout, flush = start_cluster(args, str(bench_model_dir(args.model)), log_dir, disk_dir)
+        prefills, client = Prefills(cluster, 2, layout), Client(cluster.router_addr)
+        try:
+            slots = SLAB_PROMPTS * -(-args.prompt_len // BLOCK_SIZE)
+            rows = run_rounds(args, prefills, client, flush, slots)
+        finally:
+            client.close()
+            prefills.close()
+            cluster.stop()
     finally:
-        client.close()
-        prefills.close()
-        cluster.stop()
-    print_result(summarize(args, rows), args.out)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    print_result(summarize(args, rows, flush), args.out)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from kvferry.v1 import pool_pb2, pool_pb2_grpc
 log = logging.getLogger(__name__)
 
 NODE_ROLE = POOL_ROLE
+SPILL_STAGING_BYTES = 256 * 2**20  # the most a disk tier's staging buffers (blocks on their way to disk) hold
 
 
 @dataclass
@@ -139,11 +140,15 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
         self.disk: DiskTier | None = None
         if cfg.disk_dir:
+            # one Reserve (or a put's eviction) may push out a client's whole batch at once: stage that
+            # many spills (allocated as needed, within SPILL_STAGING_BYTES) instead of dropping them
+            depth = min(cfg.max_reserve, cfg.num_slots // 8, SPILL_STAGING_BYTES // layout.block_bytes)
             self.disk = DiskTier(
                 cfg.disk_dir,
                 int(cfg.disk_max_gib * 2**30),
                 layout,
                 self.node_id,
+                queue_depth=max(8, depth),
                 on_stored=lambda key, gen: self.outbox.put(("publish", [self._on_disk(key, gen)])),
                 on_dropped=lambda key, gen: self.outbox.put(("unpublish", self._on_disk(key, gen))),
             )
