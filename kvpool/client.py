@@ -13,9 +13,9 @@ per transfer:
 - A get that names blocks in a node's disk tier (`metadata.DISK_SLOT`) first asks that node to
   `Restore` them (one RPC per node per get): the answer names the slots they were loaded into, read
   then as any others (a same-host reader cannot load a file itself: it reads only the slab).
-- Otherwise the pair group to the node (`dataplane.PairLink`: made the first time it is needed, NCCL
-  when both ends keep blocks on CUDA, gloo otherwise) carries a tensor header and the data. Its
-  transfers run in tag order on one thread per node, so a put returns once its data is handed over
+- Otherwise the pair group to the node (`dataplane.PairLink`: made the first time it is needed; gloo,
+  CUDA ends included, as its headers are CPU tensors matched by tag) carries a tensor header and the
+  data. Its transfers run in tag order on one thread per node, so a put returns once its data is handed over
   and the node's answer (the locations) resolves its future later.
 
 No caller waits on a node longer than `transfer_timeout_s` (connecting, reserving, the pair group's
@@ -226,6 +226,8 @@ class PoolClient:
             return done
         node = self._node(node_id or self.pick_node())
         named = self._reserve(node, len(keys))
+        sent_at = time.monotonic()  # the node renews the lease when this put reaches it, after now
+        done.add_done_callback(lambda f: f.exception() is None and self._renewed(node, sent_at))
         put = Put(request_id, list(keys), data, private, named, head_begin, head_end, done)
         shm = node.shm
         if shm is not None and len(named) == len(keys):
@@ -245,7 +247,6 @@ class PoolClient:
             if len(node.reserved) < n:
                 self._add_reserved(node, self._reserve_call(node, max(n - len(node.reserved), batch)), now)
             taken, node.reserved = node.reserved[:n], node.reserved[n:]
-            node.reserved_until = now + node.reserve_ttl_s / 2  # the node renews it when it sees this put
             if len(node.reserved) < batch and not node.refilling:
                 node.refilling = True
                 self._control.submit(self._refill, node, batch)
@@ -280,6 +281,15 @@ class PoolClient:
                 if time.monotonic() >= node.reserved_until:
                     node.reserved = []
                 self._add_reserved(node, reply, asked_at)
+
+    @staticmethod
+    def _renewed(node: _Node, sent_at: float) -> None:
+        """A put sent at `sent_at` was answered: the node renewed this client's reservations when it
+        got it. Only what the node confirmed extends them (a Reserve reply, a put's answer), never a
+        put that may not have reached it: past the node's lease, a same-host memcpy could land in a
+        slot handed to someone else."""
+        with node.reserve_lock:
+            node.reserved_until = max(node.reserved_until, sent_at + node.reserve_ttl_s / 2)
 
     def _put_shm(self, node: _Node, shm: SharedSlab, put: Put) -> None:
         """Copy the blocks into their reserved slots of the node's slab, then commit them (async)."""

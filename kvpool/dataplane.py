@@ -3,7 +3,7 @@
 No RPC per transfer. A client runs its transfers to one node one at a time, in order, each on a
 block of tags (`transfer.next_tag`): tag T carries the header (client -> node), T + 1 the node's
 answer (node -> client), T + 2... the data messages of `chunk_blocks` blocks each. The node keeps a
-receive for the next header posted at all times (`PeerStream` in `node.py`), so a transfer starts the
+receive for the next header posted at all times (`PoolNode._serve_peer`), so a transfer starts the
 moment the client sends it:
 - PUT: header (request id, KV-head slice, per block: key, private flag, the reserved slot and its
   generation it was packed for, or -1), then the data; the node lands it (straight into the slab when
@@ -327,7 +327,9 @@ class PairLink:
             return self.group
         if time.monotonic() < self.down_until:
             raise PoolError(f"pool node {self.node_id} refused a connection less than {RETRY_S}s ago")
-        backend = "nccl" if self.device.type == "cuda" and self.node_device == "cuda" else "gloo"
+        # gloo, CUDA ends included: headers, counts and answers are CPU tensors matched by tag, which
+        # NCCL can carry neither (an NCCL data plane needs its control stream on a separate gloo group)
+        backend = "gloo"
         name = f"{self.peer_id}/{uuid.uuid4().hex[:8]}"
         deadline = time.monotonic() + self.timeout_s
         reply = None

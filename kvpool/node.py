@@ -302,9 +302,17 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
 
         def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
             keep = [r for r in range(first, first + count) if r in row_slot]  # duplicates are dropped
-            for pos, slot0, length in runs([row_slot[r] for r in keep]):
-                r0 = keep[pos] - first
-                dest_slab[slot0 : slot0 + length].copy_(data[r0 : r0 + length])
+            start = 0
+            for j in range(1, len(keep) + 1):  # one copy per run consecutive in rows AND in slots
+                if (
+                    j < len(keep)
+                    and keep[j] == keep[j - 1] + 1
+                    and row_slot[keep[j]] == row_slot[keep[j - 1]] + 1
+                ):
+                    continue
+                r0, slot0 = keep[start] - first, row_slot[keep[start]]
+                dest_slab[slot0 : slot0 + j - start].copy_(data[r0 : r0 + j - start])
+                start = j
 
         try:
             recv_stream(peer.group, 1, tag + 2, chunk_plan(n, h.chunk_blocks), dest, None if direct else land)
@@ -521,11 +529,9 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             self.outbox.put(("publish", held))
 
     def expire_private(self) -> None:
-        """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came, the
-        reservations of clients whose pair group is gone (a connected client's are renewed: it may only
-        be stalled, and a same-host put of its may still be about to write into them)."""
+        """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came,
+        reservations their client stopped using."""
         with self.lock:
-            self.table.renew([peer_id for peer_id, peer in self.peers.items() if not peer.closed])
             if self.table.expire():
                 self.assembled.notify_all()
 

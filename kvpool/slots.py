@@ -8,10 +8,10 @@ Slot life: FREE [-> RESERVED] -> WRITING (a put took it; not visible) -> PUBLISH
 head written; its location goes to Redis) or PRIVATE (a request's tail block, never published) -> FREE.
 RESERVED: set aside for one client (`reserve`, one control call per batch) which names it in a later
 put; a put takes a named slot only while it is still that owner's at that generation, and an owner's
-reservations lapse `reserve_ttl_s` after its last `reserve`, put or `renew` (its process died), back to
-FREE. The node renews the owners whose pair group is still open on every sweep: a client that is only
-stalled (SIGSTOP, swapping) keeps its slots, so its late same-host memcpy never lands in a slot that
-was handed to someone else.
+reservations lapse `reserve_ttl_s` after its last `reserve` or put (its process died, or it stopped
+using them: a client uses its reservations only for half the lease after what the node confirmed, so
+a slot is never handed on while its owner may still write it, short of a stall of that long between
+its check and its write).
 A slot's generation rises each time it is allocated, and a get names (slot, generation, key): a stale
 location (the slot was evicted and reused) is refused, so lost or old metadata means a miss, never
 wrong KV. `writers` (puts whose bytes are landing) and `leases` (gets sending from it) pin a slot: it
@@ -393,13 +393,6 @@ class SlotTable:
             self._release(slot)
             return 1
         return 0
-
-    def renew(self, owners: Iterable[str]) -> None:
-        """Keep the reservations of `owners` (clients still connected) from lapsing for another TTL."""
-        until = self.clock() + self.reserve_ttl_s
-        for owner in owners:
-            if owner in self.reserve_expires:
-                self.reserve_expires[owner] = until
 
     def expire(self) -> int:
         """Free the unpinned private blocks older than `private_ttl_s` (from completion) and the

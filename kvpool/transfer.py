@@ -3,7 +3,8 @@
 A pair group is a two-rank process group between one client process (rank 1) and one pool node
 (rank 0), rendezvousing through the node's TCPStore under a fresh prefix. There is no global world: a
 process holds one pair group per peer, made the first time it talks to that peer and reused after.
-Backend: NCCL when both ends keep their blocks on CUDA, gloo otherwise. Only raw tensors travel here;
+Backend: gloo (`make_pair_group` can make an NCCL one, but the data plane's tagged CPU headers need
+gloo: `dataplane.PairLink` asks for gloo whatever the devices). Only raw tensors travel here;
 the control messages (which blocks, which slots) are protobuf on gRPC.
 
 Canonical block layout (the pool object, independent of TP): [L, 2 (K/V), H_kv, block_size, D] in the

@@ -5,6 +5,7 @@ Every test runs twice: through the node's shared slab (this host: `shm`) and thr
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
+from kvferry.kvpool.dataplane import Put
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout
 
@@ -157,3 +159,19 @@ def test_redis_outage_means_misses_not_errors(pool, redis_server):
     finally:
         redis_server.start()
     wait_for(lambda: pool.refresh() != {} and "n0" in pool.meta.members("pool"), 15)
+
+
+def test_a_put_landing_around_a_block_the_node_has_keeps_each_blocks_bytes(pool):
+    """A put naming no slots whose middle block is already stored: the node drops that row and lands
+    the others in the next free slots, which may be consecutive although the rows are not."""
+    if pool.transport != "pair":
+        pytest.skip("unnamed slots: a pair-group put (a same-host put always names its slots)")
+    data = blocks(3, 21)
+    keys = [key(i, 21) for i in range(3)]
+    (middle,) = pool.put("dup0", keys[1:2], data[1:2])
+    node = pool._node("n0")
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    node.link.put(Put("dup1", keys, data, [False] * 3, [], 0, LAYOUT.num_kv_heads, done))
+    locations = done.result(timeout=30)
+    assert (locations[1].slot, locations[1].generation) == (middle.slot, middle.generation)
+    assert torch.equal(pool.get("dup2", locations), data)  # C holds C's bytes, not the dropped B's

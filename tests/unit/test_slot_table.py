@@ -476,21 +476,6 @@ def test_reservations_lapse_when_their_client_stops_using_them():
     table.check()
 
 
-def test_a_connected_clients_reservations_are_renewed_not_lapsed():
-    clock = Clock()
-    table = reserving(clock=clock)
-    slots, _ = table.reserve("stalled", 2)
-    for now in (20.0, 40.0, 60.0):  # the node's sweeps: the client's pair group is still open
-        clock.now = now
-        table.renew(["stalled", "never-reserved"])
-        assert table.expire() == 0
-    assert all(table.slots[s].state == SlotState.RESERVED for s, _ in slots)
-    assert "never-reserved" not in table.reserve_expires
-    clock.now = 91.0  # its pair group closed after the last renewal: the lease runs out
-    assert table.expire() == 2
-    table.check()
-
-
 def test_reserving_evicts_least_recently_used_blocks_when_the_slab_is_full():
     table = reserving(num_slots=2)
     put(table, "r", [key(1), key(2)])
