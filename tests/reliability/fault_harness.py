@@ -219,7 +219,8 @@ class FaultCluster:
         out = {}
         for role in ("prefill", "decode", "pool"):
             live = set(self.alive(role))
-            out[role] = {k: v["addr"] for k, v in meta.members(role).items() if k in live}
+            known = meta.members(role) or {}  # None: Redis is unreachable (restarting): none known yet
+            out[role] = {k: v["addr"] for k, v in known.items() if k in live}
         return out
 
     def held(self) -> dict[str, int]:
