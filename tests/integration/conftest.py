@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import Members
 
 from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster, redis_server_argv, wait_for_redis
 from kvferry.proc import free_port
+from kvferry.router.client import Client
 
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "max_num_batched_tokens": 512}
 
@@ -76,4 +78,18 @@ def cluster(redis_server, tiny_model_dir, tmp_path_factory, request):
         tiny_model_dir, redis_server.url, namespace, prefill=WorkerGroupSettings(replicas=2, engine=ENGINE)
     )
     with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("cluster-logs"), quiet=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def members(cluster):
+    """Stubs of `cluster`'s registry members (cluster_helpers.Members)."""
+    m = Members(cluster)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_addr) as c:
         yield c

@@ -8,33 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from cluster_helpers import Members, assert_released, wait_for
+from cluster_helpers import assert_released, wait_for
 
 from kvferry.convert import sampling_to_proto
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.router.client import Client, build_request
+from kvferry.router.client import build_request
 from kvferry.v1 import pool_pb2, worker_pb2
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 16
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def members(cluster):
-    m = Members(cluster)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router_addr) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import Members, wait_for
+from cluster_helpers import wait_for
 from test_cluster import greedy, random_prompt
-
-from kvferry.router.client import Client
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +31,6 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, prompts, hf_greedy) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def members(cluster):
-    m = Members(cluster)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router_addr) as c:
-        yield c
 
 
 def served(members) -> dict[str, int]:

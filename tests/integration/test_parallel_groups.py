@@ -10,8 +10,9 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cluster_helpers import Members, wait_for
 from conftest import ENGINE, make_cluster_config
-from test_cluster import Members, greedy, random_prompt, wait_for
+from test_cluster import greedy, random_prompt
 
 from kvferry.deploy.config import WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
