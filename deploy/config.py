@@ -78,8 +78,20 @@ class PoolSettings:
     # the disk tier: evicted blocks spill to <disk_dir>/<node id> (None = off), up to disk_max_gib per node
     disk_dir: str | None = None
     disk_max_gib: float = 0.0
+    replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
+    # a block read over the network this many times within hot_window_s is copied to other nodes until
+    # it has hot_replicas copies (0 = off)
+    hot_reads: int = 8
+    hot_window_s: float = 60.0
+    hot_replicas: int = 2
 
     def __post_init__(self):
+        if self.replicas < 1 or self.hot_replicas < 1 or self.hot_reads < 0 or self.hot_window_s <= 0:
+            raise ClusterConfigError(
+                "pool.replicas and pool.hot_replicas must be >= 1, pool.hot_reads >= 0 and "
+                f"pool.hot_window_s > 0; got {self.replicas}, {self.hot_replicas}, {self.hot_reads}, "
+                f"{self.hot_window_s}"
+            )
         if self.disk_dir is not None and self.disk_max_gib <= 0:
             raise ClusterConfigError(
                 f"pool.disk_max_gib must be > 0 with pool.disk_dir, got {self.disk_max_gib}"

@@ -390,6 +390,8 @@ def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) 
         *_common(cfg, host),
         *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
         *("--private-ttl-s", str(cfg.pool.private_ttl_s)),
+        *("--hot-reads", str(cfg.pool.hot_reads), "--hot-window-s", str(cfg.pool.hot_window_s)),
+        *("--hot-replicas", str(cfg.pool.hot_replicas)),
         *disk,
     ]
 
@@ -411,7 +413,7 @@ def worker_argv(
     return [
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
         *_common(cfg, host),
-        *("--drain-timeout-s", str(cfg.drain_timeout_s)),
+        *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
         *engine_flags(engine),
     ]
 

@@ -55,11 +55,24 @@ def main(argv: list[str] | None = None) -> int:
         help="spill evicted blocks to files here (one directory per node; kept across restarts)",
     )
     p.add_argument("--disk-max-gib", type=float, default=0.0, help="the disk tier's size (with --disk-dir)")
+    p.add_argument(
+        "--hot-reads",
+        type=int,
+        default=PoolNodeConfig.hot_reads,
+        help="a block read over the network this many times within --hot-window-s is copied to other "
+        "nodes (0: never)",
+    )
+    p.add_argument("--hot-window-s", type=float, default=PoolNodeConfig.hot_window_s)
+    p.add_argument(
+        "--hot-replicas", type=int, default=PoolNodeConfig.hot_replicas, help="copies a hot block gets"
+    )
     args = p.parse_args(argv)
     if bool(args.disk_dir) != (args.disk_max_gib != 0):
         p.error("--disk-dir and --disk-max-gib go together")
     if args.disk_dir and args.disk_max_gib <= 0:
         p.error("--disk-max-gib must be > 0")
+    if args.hot_reads < 0 or args.hot_window_s <= 0 or args.hot_replicas < 1:
+        p.error("--hot-reads must be >= 0, --hot-window-s > 0 and --hot-replicas >= 1")
     if args.private_ttl_s <= 0:
         p.error("--private-ttl-s must be > 0")
     if args.reserve_ttl_s <= 2 * args.transfer_timeout_s:
@@ -83,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         shm=not args.no_shm,
         disk_dir=args.disk_dir,
         disk_max_gib=args.disk_max_gib,
+        hot_reads=args.hot_reads,
+        hot_window_s=args.hot_window_s,
+        hot_replicas=args.hot_replicas,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,14 +32,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
 
 from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, PairLink, PoolError, Put
-from kvferry.kvpool.metadata import DISK_SLOT, Location, MetadataStore
-from kvferry.kvpool.node import NODE_ROLE
+from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.shm import SharedSlab, boot_id
 from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
@@ -72,11 +71,19 @@ class _Node:
 
 
 def to_proto(loc: Location) -> pool_pb2.BlockLocation:
-    return pool_pb2.BlockLocation(key=loc.key, node_id=loc.node_id, slot=loc.slot, generation=loc.generation)
+    """The location and its replicas (which have none of their own)."""
+    return pool_pb2.BlockLocation(
+        key=loc.key,
+        node_id=loc.node_id,
+        slot=loc.slot,
+        generation=loc.generation,
+        replicas=[to_proto(r) for r in loc.replicas],
+    )
 
 
 def from_proto(loc: pool_pb2.BlockLocation) -> Location:
-    return Location(loc.key, loc.node_id, loc.slot, loc.generation)
+    replicas = tuple(Location(r.key, r.node_id, r.slot, r.generation) for r in loc.replicas)
+    return Location(loc.key, loc.node_id, loc.slot, loc.generation, replicas)
 
 
 class PoolClient:
@@ -90,6 +97,7 @@ class PoolClient:
         transfer_timeout_s: float = 10.0,
         shm: bool = True,
         reserve_blocks: int = RESERVE_BLOCKS,
+        replicas: int = 1,
     ):
         self.meta = meta
         self.layout = layout
@@ -99,6 +107,9 @@ class PoolClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.use_shm = shm and self.device.type == "cpu"
         self.reserve_blocks = reserve_blocks
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.replicas = replicas  # copies of each block a put stores (on distinct nodes, as many as live)
         # background reservations: blocking calls off the caller's thread
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-control")
         self.nodes: dict[str, _Node] = {}
@@ -114,7 +125,7 @@ class PoolClient:
         """
         now = time.monotonic()
         if max_age_s <= 0 or now - self._known_at > max_age_s:
-            members = self.meta.members(NODE_ROLE)
+            members = self.meta.members(POOL_ROLE)
             if members is not None:
                 with self._lock:
                     self._known, self._known_at = members, now
@@ -124,10 +135,22 @@ class PoolClient:
         return dict(self._known)
 
     def pick_node(self) -> str:
+        return self.pick_nodes(1)[0]
+
+    def pick_nodes(self, count: int | None = None) -> list[str]:
+        """The nodes a put's copies go to: `count` (default: `replicas`) distinct live nodes, or all
+        there are when fewer, the one with the most free slots first."""
         nodes = self.refresh(max_age_s=1.0)
         if not nodes:
             raise PoolError("no KV pool node is registered")
-        return max(nodes, key=lambda n: (nodes[n].get("free_slots", 0), n))
+        ranked = sorted(nodes, key=lambda n: (nodes[n].get("free_slots", 0), n), reverse=True)
+        return ranked[: count or self.replicas]
+
+    def near(self, node_id: str) -> int:
+        """How far a node is (`MetadataStore.lookup`'s `prefer`): 0 on this host with its slab mapped
+        (a get is a memcpy), else 1."""
+        node = self.nodes.get(node_id)
+        return 0 if node is not None and node.shm is not None else 1
 
     def _node(self, node_id: str) -> _Node:
         with self._lock:
@@ -191,11 +214,15 @@ class PoolClient:
         keys: Sequence[bytes],
         data: torch.Tensor | Callable[[int, int, torch.Tensor], None],
         private: Sequence[bool] = (),
-        node_id: str | None = None,
+        node_id: str | Sequence[str] | None = None,
         head_begin: int = 0,
         head_end: int | None = None,
     ) -> concurrent.futures.Future:
         """Store blocks under `keys`; a future of the location of each (None = not stored: pool full).
+
+        `node_id`: the node, or the nodes each block gets a copy on (None: `pick_nodes()`). With several,
+        the future completes once every copy was answered (a copy that failed is only a copy fewer),
+        each location naming the block's other copies as its `replicas`.
 
         Returns once the data is sent (copied into a same-host node's slab, or handed to the pair
         group): the node's answer completes the future later, so the next transfer can start meanwhile.
@@ -220,11 +247,26 @@ class PoolClient:
                     )
                 )
             return _gather(parts)
-        done: concurrent.futures.Future = concurrent.futures.Future()
         if not keys:
+            done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result([])
             return done
-        node = self._node(node_id or self.pick_node())
+        targets = [node_id] if isinstance(node_id, str) else list(node_id or self.pick_nodes())
+        if len(targets) == 1:
+            return self._put_copy(request_id, keys, data, private, targets[0], head_begin, head_end)
+        copies = []
+        for target in dict.fromkeys(targets):
+            try:
+                copies.append(self._put_copy(request_id, keys, data, private, target, head_begin, head_end))
+            except PoolError as err:  # a copy fewer; the put fails only when no copy can be made
+                log.warning("copy of %d blocks of %s on %s failed: %s", len(keys), request_id, target, err)
+                copies.append(_failed(err))
+        return _merge_copies(copies)
+
+    def _put_copy(self, request_id, keys, data, private, node_id, head_begin, head_end):
+        """One node's copy of a put (see `put_async`)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        node = self._node(node_id)
         named = self._reserve(node, len(keys))
         sent_at = time.monotonic()  # the node renews the lease when this put reaches it, after now
         done.add_done_callback(lambda f: f.exception() is None and self._renewed(node, sent_at))
@@ -346,7 +388,7 @@ class PoolClient:
         """
         head_end = self.layout.num_kv_heads if head_end is None else head_end
         self.layout.check_heads(head_begin, head_end)
-        start = 0
+        locations, start, failed = list(locations), 0, set()
         while start < len(locations):
             end = start
             while (
@@ -355,19 +397,28 @@ class PoolClient:
                 and locations[end].node_id == locations[start].node_id
             ):
                 end += 1
-            node = self._node(locations[start].node_id)
-            asked = end - start
-            run = self._restore(node, locations[start:end])
-            shm = node.shm
-            if not run:
+            asked, node_id = end - start, locations[start].node_id
+            try:
+                node = self._node(node_id)
+                run = self._restore(node, locations[start:end])
+                shm = node.shm
+                if not run:
+                    served = 0
+                elif shm is not None:
+                    served = self._get_shm(node, shm, request_id, run, head_begin, head_end, start, consume)
+                else:
+                    served = node.link.get(request_id, run, head_begin, head_end, start, consume)
+            except PoolError as err:
+                if not any(r.node_id not in failed | {node_id} for r in locations[start].replicas):
+                    raise
+                log.warning("get from pool node %s failed (%s): reading its replicas", node_id, err)
                 served = 0
-            elif shm is not None:
-                served = self._get_shm(node, shm, request_id, run, head_begin, head_end, start, consume)
-            else:
-                served = node.link.get(request_id, run, head_begin, head_end, start, consume)
             start += served
-            if served < asked:
-                break
+            if served < asked:  # the rest from other copies, if the next block has one
+                failed.add(node_id)
+                locations[start:] = _reroute(locations[start:], failed)
+                if start == len(locations):
+                    break
         return start
 
     def _restore(self, node: _Node, run: Sequence[Location]) -> Sequence[Location]:
@@ -421,7 +472,14 @@ class PoolClient:
 
     # -- control --------------------------------------------------------------------------------------
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Location]:
-        return self.meta.lookup_prefix(keys)
+        """The pool's leading blocks of the chain, each the copy nearest this client (`near`)."""
+        self.refresh(max_age_s=1.0)
+        return self.meta.lookup_prefix(keys, prefer=self.near)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[Location | None]:
+        """`MetadataStore.lookup`, each block the copy nearest this client."""
+        self.refresh(max_age_s=1.0)
+        return self.meta.lookup(keys, prefer=self.near)
 
     def release(self, request_id: str) -> int:
         """Drop a request's private blocks and leases on every known node."""
@@ -453,6 +511,54 @@ class PoolClient:
 
 def _offset(fill: Callable[[int, int, torch.Tensor], None], shift: int):
     return lambda first, count, out: fill(shift + first, count, out)
+
+
+def _reroute(rest: list[Location], failed: set[str]) -> list[Location]:
+    """The leading blocks of `rest` that have a copy on a node not in `failed`, each moved to such a
+    copy (the one on the same node as the block before it, if any; its other copies stay replicas);
+    ends before the first that has none."""
+    out, previous = [], ""
+    for loc in rest:
+        copies = [c for c in loc.copies() if c.node_id not in failed]
+        if not copies:
+            break
+        best = next((c for c in copies if c.node_id == previous), copies[0])
+        others = tuple(c for c in loc.copies() if c is not best and c.node_id != best.node_id)
+        out.append(replace(best, replicas=others))
+        previous = best.node_id
+    return out
+
+
+def _failed(err: Exception) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(err)
+    return future
+
+
+def _merge_copies(copies: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """One future of the locations of a put stored as `copies` (one future per node): per block, the
+    first stored copy, the others as its replicas; it fails only when every copy failed."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def check(_) -> None:
+        if done.done() or not all(c.done() for c in copies):
+            return
+        results = [c.result() for c in copies if c.exception() is None]
+        try:
+            if not results:
+                done.set_exception(copies[0].exception())
+                return
+            merged = []
+            for found in zip(*results, strict=True):
+                stored = [loc for loc in found if loc is not None]
+                merged.append(replace(stored[0], replicas=tuple(stored[1:])) if stored else None)
+            done.set_result(merged)
+        except concurrent.futures.InvalidStateError:
+            pass  # another copy's callback completed it first
+
+    for c in copies:
+        c.add_done_callback(check)
+    return done
 
 
 def _gather(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:

@@ -1,9 +1,11 @@
 """Pool metadata in Redis: block key -> location, and the registry of live nodes and workers.
 
 Layout (every key under `kvf:{namespace}:`):
-- `b:{key hex}` -> "node_id slot generation", written only after the block's data is complete on the
-  node (so a reader never finds a half-written block) and deleted on eviction when it still names the
-  evicted slot (compare-and-delete, so a newer copy elsewhere is never dropped).
+- `b:{key hex}` -> the block's copies in memory, "node_id slot generation" each, joined by ";" (one per
+  node: replicas, `PoolClient.put_async` and `hot.py`). Each node adds its own copy only after the
+  block's data is complete on it (so a reader never finds a half-written block) and removes it on
+  eviction when the entry still names the evicted slot (compare-and-delete of that one copy, in a Lua
+  script, so the other copies, or a newer copy on the same node, are never dropped).
 - `d:{key hex}` -> "node_id generation": the block is in that node's disk tier (`disk.py`), in the file
   of that generation; a `Location` with `slot == DISK_SLOT`. Kept apart from `b:` so the memory copy and
   the disk copy come and go independently; a lookup prefers a live `b:` entry and falls back to `d:`.
@@ -31,20 +33,60 @@ import logging
 import os
 import re
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import redis
 
 log = logging.getLogger(__name__)
 
-_COMPARE_AND_DELETE = """
+# A value is one or more copies "node slot generation" (a `d:` entry: "node generation") joined by ";".
+_ENTRIES = """
+local function split(v)
+  local out = {}
+  if v then for e in string.gmatch(v, '[^;]+') do table.insert(out, e) end end
+  return out
+end
+local function on_node(e, node) return string.sub(e, 1, string.len(node) + 1) == node .. ' ' end
+local function store(key, entries)
+  if #entries == 0 then return redis.call('DEL', key) end
+  redis.call('SET', key, table.concat(entries, ';'))
+  return 0
+end
+"""
+
+# add copy ARGV[i] to KEYS[i], replacing any copy on the same node
+_ADD_COPIES = (
+    _ENTRIES
+    + """
+for i, key in ipairs(KEYS) do
+  local node = string.match(ARGV[i], '^[^ ]+')
+  local keep = {}
+  for _, e in ipairs(split(redis.call('GET', key))) do
+    if not on_node(e, node) then table.insert(keep, e) end
+  end
+  table.insert(keep, ARGV[i])
+  store(key, keep)
+end
+return #KEYS
+"""
+)
+
+# remove copy ARGV[i] from KEYS[i] if it is there, exactly (compare-and-delete of one copy)
+_COMPARE_AND_DELETE = (
+    _ENTRIES
+    + """
 local n = 0
 for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[i] then n = n + redis.call('DEL', key) end
+  local keep, found = {}, false
+  for _, e in ipairs(split(redis.call('GET', key))) do
+    if e == ARGV[i] then found = true else table.insert(keep, e) end
+  end
+  if found then n = n + 1; store(key, keep) end
 end
 return n
 """
+)
 
 # drop the ids in ARGV from the role's set (KEYS[1]) whose record (KEYS[i + 1]) is still missing: a
 # heartbeat that re-registered meanwhile keeps its id
@@ -56,15 +98,21 @@ end
 return n
 """
 
-# drop each KEYS[i] whose value names node ARGV[1] (a restarted node's memory entries: its slab is new)
-_FORGET_NODE = """
+# drop the copies on node ARGV[1] from each KEYS[i] (a restarted node's memory entries: its slab is new)
+_FORGET_NODE = (
+    _ENTRIES
+    + """
 local n = 0
 for i, key in ipairs(KEYS) do
-  local v = redis.call('GET', key)
-  if v and string.sub(v, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ' ' then n = n + redis.call('DEL', key) end
+  local keep, found = {}, false
+  for _, e in ipairs(split(redis.call('GET', key))) do
+    if on_node(e, ARGV[1]) then found = true else table.insert(keep, e) end
+  end
+  if found then n = n + 1; store(key, keep) end
 end
 return n
 """
+)
 
 POOL_ROLE = "pool"  # the registry role of the pool nodes
 DISK_SLOT = 2**32 - 1  # the slot of a location in a node's disk tier (a `d:` entry)
@@ -76,6 +124,13 @@ class Location:
     node_id: str
     slot: int
     generation: int
+    # the block's other live copies (other nodes; a disk copy last), which a get falls back on when this
+    # one is gone: not part of the location's identity
+    replicas: tuple[Location, ...] = field(default=(), compare=False, repr=False)
+
+    def copies(self) -> tuple[Location, ...]:
+        """This location and its replicas, each without replicas of its own."""
+        return (replace(self, replicas=()), *self.replicas)
 
 
 REDIS_URL_ENV = "KVFERRY_REDIS_URL"  # how the launchers hand the URL over: its password stays out of `ps`
@@ -157,10 +212,20 @@ class MetadataStore:
         return self._bkey(loc.key), f"{loc.node_id} {loc.slot} {loc.generation}"
 
     def publish(self, locations: Sequence[Location]) -> bool:
+        """Add each copy to its key's entry (a disk copy replaces its key's `d:` entry); a node's earlier
+        copy of the key is replaced."""
         if not locations:
             return True
-        try:  # one MSET: a command per block costs the pool's publisher thread more than the transfer
-            self.client.mset(dict(map(self._entry, locations)))
+        memory = [self._entry(loc) for loc in locations if loc.slot != DISK_SLOT]
+        disk = dict(self._entry(loc) for loc in locations if loc.slot == DISK_SLOT)
+        try:  # one script for every block: a command per block costs the publisher more than the transfer
+            with self.client.pipeline(transaction=False) as pipe:
+                if memory:
+                    keys, values = zip(*memory, strict=True)
+                    pipe.eval(_ADD_COPIES, len(keys), *keys, *values)
+                if disk:
+                    pipe.mset(disk)
+                pipe.execute()
         except redis.RedisError as err:
             self._failed(err)
             return False
@@ -168,7 +233,8 @@ class MetadataStore:
         return True
 
     def unpublish(self, locations: Sequence[Location]) -> None:
-        """Delete each entry that still names that exact (node, slot, generation)."""
+        """Remove each copy from its key's entry if the entry still names that exact (node, slot,
+        generation); the key's other copies stay."""
         if not locations:
             return
         keys, values = zip(*map(self._entry, locations), strict=True)
@@ -180,8 +246,8 @@ class MetadataStore:
         self._ok()
 
     def forget_node_blocks(self, keys: Sequence[bytes], node_id: str) -> None:
-        """Delete the `b:` entries of `keys` that name `node_id`: a restarted node's slab holds none of
-        them, and a stale memory entry would hide the key's disk entry from lookups."""
+        """Remove the copies on `node_id` from the `b:` entries of `keys`: a restarted node's slab holds
+        none of them, and a stale memory entry would hide the key's disk entry from lookups."""
         if not keys:
             return
         try:
@@ -191,10 +257,17 @@ class MetadataStore:
             return
         self._ok()
 
-    def lookup(self, keys: Sequence[bytes]) -> list[Location | None]:
-        """Location of each key (None when unknown, or on a pool node that is not live): its live memory
-        copy, else its live disk copy (`slot == DISK_SLOT`); all None while Redis is unreachable. Entries
-        on a node whose registry record lapsed are deleted."""
+    def lookup(
+        self, keys: Sequence[bytes], prefer: Callable[[str], int] | None = None
+    ) -> list[Location | None]:
+        """Location of each key (None when unknown, or on no pool node that is live): one of its live
+        memory copies, else its live disk copy (`slot == DISK_SLOT`), the other live copies as its
+        `replicas`; all None while Redis is unreachable. Entries on a node whose registry record lapsed
+        are deleted.
+
+        Of several copies the one whose node ranks lowest in `prefer` (the nearest: a node on the
+        reader's host), then the one on the node the previous key's copy is on (a get moves a run of
+        blocks on one node in one transfer), is chosen."""
         if not keys:
             return []
         try:  # one MGET of both kinds of entry
@@ -204,19 +277,30 @@ class MetadataStore:
             return [None] * len(keys)
         self._ok()
         n = len(keys)
-        found = [None if v is None else _parse_location(k, v) for k, v in zip(keys, values[:n], strict=True)]
-        found += [None if v is None else _parse_disk(k, v) for k, v in zip(keys, values[n:], strict=True)]
-        live = self._drop_dead(found)
-        return [memory or disk for memory, disk in zip(live[:n], live[n:], strict=True)]
+        memory = [_parse_copies(k, v) for k, v in zip(keys, values[:n], strict=True)]
+        disk = [[] if v is None else _parse_disk(k, v) for k, v in zip(keys, values[n:], strict=True)]
+        live = self._live_copies([loc for copies in memory + disk for loc in copies])
+        rank = prefer or (lambda _: 0)
+        out, previous = [], ""
+        for copies, on_disk in zip(memory, disk, strict=True):
+            copies = [loc for loc in copies if loc.node_id in live]
+            copies.sort(key=lambda loc: (rank(loc.node_id), loc.node_id != previous))
+            copies += [loc for loc in on_disk if loc.node_id in live]
+            if not copies:
+                out.append(None)
+                continue
+            out.append(replace(copies[0], replicas=tuple(copies[1:])))
+            previous = copies[0].node_id
+        return out
 
-    def _drop_dead(self, found: list[Location | None]) -> list[Location | None]:
-        """`found` without the locations on pool nodes that are not live. The live set is reused for
-        `live_cache_s`; a node missing from it is re-checked by a registry read made after the MGET, and
-        only that read's verdict deletes entries (a node that registered, then published, after an older
-        read is never mistaken for a dead one)."""
-        nodes = {loc.node_id for loc in found if loc is not None}
+    def _live_copies(self, found: list[Location]) -> frozenset[str] | set[str]:
+        """The pool nodes of `found` that are live (all of them when the registry was never readable).
+        The live set is reused for `live_cache_s`; a node missing from it is re-checked by a registry
+        read made after the MGET, and only that read's verdict deletes entries (a node that registered,
+        then published, after an older read is never mistaken for a dead one)."""
+        nodes = {loc.node_id for loc in found}
         if not nodes:
-            return found
+            return nodes
         cached, now = self._live, time.monotonic()
         live = cached[1] if cached is not None and now - cached[0] < self.live_cache_s else None
         if live is None or not nodes <= live:
@@ -224,18 +308,20 @@ class MetadataStore:
             if members is not None:
                 live = frozenset(members)
                 self._live = (now, live)
-                self.unpublish([loc for loc in found if loc is not None and loc.node_id not in live])
+                self.unpublish([loc for loc in found if loc.node_id not in live])
             elif cached is not None:  # the registry cannot be read: filter by what it said last
                 live = cached[1]
             else:
-                return found
-        return [loc if loc is not None and loc.node_id in live else None for loc in found]
+                return nodes
+        return live
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> list[Location]:
+    def lookup_prefix(
+        self, keys: Sequence[bytes], prefer: Callable[[str], int] | None = None
+    ) -> list[Location]:
         """Locations of the leading keys of a chain that the pool holds, in memory or on disk (stops at the
-        first miss)."""
+        first miss); `prefer` as in `lookup`."""
         found = []
-        for loc in self.lookup(keys):
+        for loc in self.lookup(keys, prefer):
             if loc is None:
                 break
             found.append(loc)
@@ -312,21 +398,23 @@ class MetadataStore:
         return record
 
 
-def _parse_disk(key: bytes, value: bytes) -> Location | None:
-    """A disk entry "node generation"; None (a miss) for anything else."""
+def _parse_disk(key: bytes, value: bytes) -> list[Location]:
+    """A disk entry "node generation"; [] (a miss) for anything else."""
     try:
         node, gen = value.decode().split(" ")
-        return Location(key, node, DISK_SLOT, int(gen))
+        return [Location(key, node, DISK_SLOT, int(gen))]
     except ValueError:
         log.warning("malformed disk entry %s: %.100r", key.hex(), value)
-        return None
+        return []
 
 
-def _parse_location(key: bytes, value: bytes) -> Location | None:
-    """A block entry "node slot generation"; None (a miss) for anything else."""
-    try:
-        node, slot, gen = value.decode().split(" ")
-        return Location(key, node, int(slot), int(gen))
-    except ValueError:
-        log.warning("malformed block entry %s: %.100r", key.hex(), value)
-        return None
+def _parse_copies(key: bytes, value: bytes | None) -> list[Location]:
+    """A block entry: copies "node slot generation" joined by ";"; a malformed copy is left out."""
+    out = []
+    for copy in value.decode(errors="replace").split(";") if value else ():
+        try:
+            node, slot, gen = copy.split(" ")
+            out.append(Location(key, node, int(slot), int(gen)))
+        except ValueError:
+            log.warning("malformed block entry %s: %.100r", key.hex(), value)
+    return out

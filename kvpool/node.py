@@ -44,8 +44,10 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.dataplane import COMMIT, GET, IDLE, Header, answer_tag, encode_answer, header_buffer
 from kvferry.kvpool.disk import DiskTier, copy_block
+from kvferry.kvpool.hot import HotBlocks, replicator
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.shm import Mirror, SharedSlab, boot_id
 from kvferry.kvpool.slots import PutPlan, SlotState, SlotTable
@@ -104,6 +106,11 @@ class PoolNodeConfig:
     shm: bool = True  # on CPU, keep the slab in /dev/shm for same-host clients
     disk_dir: str = ""  # the disk tier's directory ("" = none); one per node, kept across restarts
     disk_max_gib: float = 0.0  # the disk tier's size
+    # hot blocks (`hot.py`): read over the network hot_reads times within hot_window_s, a block is copied
+    # to other nodes until it has hot_replicas copies (hot_reads 0: off)
+    hot_reads: int = 8
+    hot_window_s: float = 60.0
+    hot_replicas: int = 2
 
 
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
@@ -138,6 +145,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
+        self.hot = HotBlocks(cfg.hot_reads, cfg.hot_window_s, cfg.hot_replicas)
         self.disk: DiskTier | None = None
         if cfg.disk_dir:
             # one Reserve (or a put's eviction) may push out a client's whole batch at once: stage that
@@ -390,6 +398,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
 
             send_stream(peer.group, 1, tag + 2, chunk_plan(n, h.chunk_blocks), chunk)
             told.wait()
+            if head_begin == 0:  # one read per reader, however many KV-head slices it asks for
+                self.hot.read(h.keys[:n])
         finally:
             with self.lock:
                 whole = head_end - head_begin == self.layout.num_kv_heads
@@ -463,6 +473,16 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             copy_block(self.slab[slot], block)
         return block is not None
 
+    def _copy_out(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """The published blocks of `keys` this node holds, copied out (for the hot-block replicator)."""
+        out = {}
+        with self.lock:
+            for key in keys:
+                slot = self.table.existing(key)
+                if slot is not None and slot.state == SlotState.PUBLISHED:
+                    out[key] = self.slab[slot.index].clone()
+        return out
+
     def _disk_locations(self) -> list[Location]:
         return [] if self.disk is None else [self._on_disk(k, g) for k, g in self.disk.entries()]
 
@@ -490,6 +510,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             disk_spill_drops=disk.get("spill_drops", 0),
             disk_corrupt=disk.get("corrupt", 0),
             disk_evictions=disk.get("evictions", 0),
+            hot_copies=self.hot.copied,
+            hot_copy_failures=self.hot.failed,
             block_shape=list(self.layout.shape),
             dtype=self.layout.dtype,
         )
@@ -564,6 +586,22 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         heartbeat.extra += [self.expire_private, self.check_redis]
         heartbeat.beat()
         heartbeat.start()
+        if self.hot.enabled:  # its client copies hot blocks to the other nodes
+            client = PoolClient(
+                self.meta,
+                self.layout,
+                peer_id=f"{self.node_id}-hot",
+                host=self.cfg.host,
+                device=self.cfg.device,
+                transfer_timeout_s=self.cfg.transfer_timeout_s,
+                reserve_blocks=16,
+            )
+            threading.Thread(
+                target=replicator,
+                args=(self.hot, client, self.node_id, self._copy_out, stop),
+                name="hot-replicator",
+                daemon=True,
+            ).start()
         set_serving(health, names)
         log.info(
             "pool node %s serving on %s:%d (%d slots)",

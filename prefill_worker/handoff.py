@@ -69,7 +69,7 @@ class KVWrite:
     private: list[bool]
     block_ids: list[int]
     data: torch.Tensor | None  # the blocks' bytes, copied out of the paged cache
-    node_id: str | None  # a tensor-parallel group writes every rank's slice to one node
+    node_id: list[str] | None  # a tensor-parallel group writes every rank's slice to the same nodes
     cached_tokens: int
     pool_cached_tokens: int
     computed_tokens: int

@@ -225,7 +225,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         num_full = req.num_prompt_tokens // bs
         self.engine.block_manager.update_keys(req)
         full_keys = req.block_keys[:num_full]
-        locations = self.pool.meta.lookup(full_keys)  # blocks the pool already holds are not re-sent
+        locations = self.pool.lookup(full_keys)  # blocks the pool already holds are not re-sent
         write = [i for i in range(num_full) if locations[i] is None]
         tail = req.num_prompt_tokens % bs > 0
         if tail:
@@ -235,9 +235,9 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         block_ids = [req.block_ids[i] for i in write]
         data = pack_blocks(self.engine.runner.kv_cache, block_ids) if write else None
         node_id = None
-        if write and self.leader.active:  # every rank sends its slice of the blocks to one node
+        if write and self.leader.active:  # every rank sends its slice of the blocks to the same nodes
             try:
-                node_id = self.pool.pick_node()
+                node_id = self.pool.pick_nodes()
             except PoolError as err:
                 log.warning("no pool node for %s: %s", req.request_id, err)
                 write, keys, private, block_ids, data = [], [], [], [], None

@@ -41,6 +41,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0)
     add_redis_url_arg(p)
     p.add_argument("--namespace", default="default")
+    p.add_argument(
+        "--pool-replicas",
+        type=int,
+        default=1,
+        help="copies of each KV block this worker writes to the pool, on distinct nodes (as many as are "
+        "live): a block survives the death of all but one of them",
+    )
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument(
         "--stall-timeout-s",
@@ -119,7 +126,16 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     )
     engine = LLMEngine(cfg, parallel)
     meta = MetadataStore(args.redis_url, args.namespace)
-    pool = PoolClient(meta, kv_layout(engine), peer_id=worker_id, host=args.host, device=str(engine.device))
+    if args.pool_replicas < 1:
+        raise SystemExit(f"--pool-replicas must be >= 1, got {args.pool_replicas}")
+    pool = PoolClient(
+        meta,
+        kv_layout(engine),
+        peer_id=worker_id,
+        host=args.host,
+        device=str(engine.device),
+        replicas=args.pool_replicas,
+    )
     serving_timeouts(group, args.group_timeout_s)
     if cfg.tensor_parallel_size > 1 and group.rank > 0:
         # rank 0 tells this rank when to stop (after its drain); a signal here would break the group

@@ -116,11 +116,16 @@ class TPLeader:
             hard_exit(1)
 
     def put(
-        self, request_id: str, node_id: str, keys: list[bytes], private: list[bool], block_ids: list[int]
+        self, request_id: str, nodes: list[str], keys: list[bytes], private: list[bool], block_ids: list[int]
     ):
         if self.active:
             msg = worker_pb2.GroupPut(
-                request_id=request_id, node_id=node_id, keys=keys, private=private, block_ids=block_ids
+                request_id=request_id,
+                node_id=nodes[0],
+                replica_nodes=nodes[1:],
+                keys=keys,
+                private=private,
+                block_ids=block_ids,
             )
             self._send(worker_pb2.GroupCommand(put=msg))
 
@@ -181,7 +186,7 @@ def _put_slice(pool: PoolClient, p: worker_pb2.GroupPut, data, heads) -> None:
 
     try:
         pool.put_async(
-            p.request_id, list(p.keys), data, list(p.private), p.node_id, *heads
+            p.request_id, list(p.keys), data, list(p.private), [p.node_id, *p.replica_nodes], *heads
         ).add_done_callback(done)
     except Exception as err:
         log.warning("writing KV slice of %s failed: %s", p.request_id, err)
