@@ -84,6 +84,16 @@ class Peer:
     answer_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass
+class Awaiting:
+    """A put whose answer waits for its blocks' other KV-head slices (until `deadline`)."""
+
+    peer: Peer
+    plan: PutPlan
+    tag: int
+    deadline: float
+
+
 @dataclass(frozen=True)
 class PoolNodeConfig:
     node_id: str = ""
@@ -137,8 +147,9 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self.lock = threading.Lock()  # guards self.table and self.peers
         self.assembled = threading.Condition(self.lock)  # a block got its last KV-head slice, or was freed
         self.peers: dict[str, Peer] = {}
-        # answers of puts that wait for other ranks' slices, so a peer's thread goes on meanwhile
-        self.waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="put-wait")
+        self.awaiting: list[Awaiting] = []  # puts to answer once whole (under the lock)
+        # sends the put answers: a peer's answer never waits on the thread that completed its block
+        self.answers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="put-answer")
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.store = host_store(cfg.host, cfg.store_port, None)  # listening on the node's host only
         self._redis_id: str | None = None
@@ -228,14 +239,14 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         with self.lock:
             released = self.table.consumed(request.blocks)
             if released:
-                self.assembled.notify_all()
+                self._wake()
         return pool_pb2.ReleaseResponse(released=released)
 
     def Release(self, request, context):
         with self.lock:
             released = self.table.release(request.request_id)
             if released:
-                self.assembled.notify_all()  # a put waiting for a freed slot's other slices stops
+                self._wake()  # a put waiting for a freed slot's other slices stops
         return pool_pb2.ReleaseResponse(released=released)
 
     def _heads(self, request, context) -> tuple[int, int]:
@@ -246,24 +257,32 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return begin, end
 
-    def _complete(self, plan: PutPlan, head_begin: int, head_end: int) -> list[Location | None]:
-        """The put's slice landed: complete its blocks, wait (bounded) until every block has all its
-        KV heads (a tensor-parallel writer's answer waits for the other ranks' slices, so whoever
-        answers with these locations can trust them), publish, and answer where each block is."""
-        with self.lock:
-            publish, assembled = self.table.finish_write(plan, head_begin, head_end)
-            if assembled:
-                self.assembled.notify_all()
-            deadline = time.monotonic() + self.cfg.assemble_timeout_s
-            while self.table.pending(plan):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.assembled.wait(left)
-            found = self.table.locations_for(plan)
-        if publish:
-            self.outbox.put(("publish", publish))  # off the transfer path; a reader never needs it sooner
-        return found
+    def _wake(self) -> None:
+        """Under the lock: a block was assembled or freed. Wake the restores waiting on one, and answer
+        the puts that no longer wait for another rank's slice (or waited past the assemble timeout)."""
+        self.assembled.notify_all()
+        now = time.monotonic()
+        for waiting in list(self.awaiting):
+            if now >= waiting.deadline or not self.table.pending(waiting.plan):
+                self.awaiting.remove(waiting)
+                self._send_answer(waiting)
+
+    def _send_answer(self, waiting: Awaiting) -> None:
+        """Under the lock: answer a put where its blocks are (None: not stored or never completed), off
+        this thread (a hung peer must not hold the lock's holder)."""
+        found = self.table.locations_for(waiting.plan)
+        locations = [Location(b"", "", 0, 0) if loc is None else loc for loc in found]
+        self.answers.submit(self._post_answer, waiting.peer, waiting.tag, locations)
+
+    def _post_answer(self, peer: Peer, tag: int, locations: list[Location]) -> None:
+        with peer.answer_lock:  # answers go out in the order of their tags on the answer stream
+            sent = peer.group.send([encode_answer(tag, locations)], 1, answer_tag(peer.answered))
+            peer.answered += 1
+        try:
+            sent.wait()
+        except Exception as err:
+            log.warning("answering peer %s failed: %s", peer.peer_id, err)
+            self._drop_peer(peer)
 
     # -- the pair-group data plane ---------------------------------------------------------------------
     def _serve_peer(self, peer: Peer) -> None:
@@ -327,7 +346,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         except Exception:
             with self.lock:
                 if self.table.abort_write(plan):
-                    self.assembled.notify_all()  # a put waiting for a freed slot's other slices stops
+                    self._wake()  # a put waiting for a freed slot's other slices stops
             raise
 
         self._answer(peer, plan, h, tag)
@@ -351,27 +370,21 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         self._answer(peer, plan, h, tag)
 
     def _answer(self, peer: Peer, plan: PutPlan, h: Header, tag: int) -> None:
-        """Complete the put and answer it on the peer's answer stream; from a waiter thread when its
-        blocks wait for other ranks' slices, so the peer's next transfers go on meanwhile."""
-
-        def answer() -> None:
-            found = self._complete(plan, h.head_begin, h.head_end)
-            locations = [Location(b"", "", 0, 0) if loc is None else loc for loc in found]
-            with peer.answer_lock:  # answers go out in the order of their tags on the answer stream
-                sent = peer.group.send([encode_answer(tag, locations)], 1, answer_tag(peer.answered))
-                peer.answered += 1
-            try:
-                sent.wait()
-            except Exception as err:
-                log.warning("answering peer %s failed: %s", peer.peer_id, err)
-                self._drop_peer(peer)
-
+        """Complete the put's slice (publishing the blocks it completed) and answer it on the peer's
+        answer stream: now, or, while a block waits for other ranks' slices, once `_wake` finds it
+        whole (or past `assemble_timeout_s`), so whoever answers with these locations can trust them.
+        No thread waits meanwhile: the peer's next transfers go on."""
+        waiting = Awaiting(peer, plan, tag, time.monotonic() + self.cfg.assemble_timeout_s)
         with self.lock:
-            waits = self.table.pending(plan)
-        if waits:
-            self.waiters.submit(answer)
-        else:
-            answer()
+            publish, assembled = self.table.finish_write(plan, h.head_begin, h.head_end)
+            if self.table.pending(plan):
+                self.awaiting.append(waiting)
+            else:
+                self._send_answer(waiting)
+            if assembled:
+                self._wake()
+        if publish:
+            self.outbox.put(("publish", publish))  # off the transfer path; a reader never needs it sooner
 
     def _send_blocks(self, peer: Peer, h: Header, tag: int) -> None:
         blocks = [
@@ -458,7 +471,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             else:
                 self.table.abort_write(plan)
                 found = None
-            self.assembled.notify_all()  # restores of the same key waiting on this one
+            self._wake()  # restores of the same key waiting on this one
         if loaded:
             self.outbox.put(("publish", publish))
         else:  # compare-and-delete: a newer file of the key keeps its entry
@@ -554,8 +567,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         """The heartbeat's sweep: private blocks past their TTL, blocks whose other slices never came,
         reservations their client stopped using."""
         with self.lock:
-            if self.table.expire():
-                self.assembled.notify_all()
+            self.table.expire()
+            self._wake()  # also answers the puts waiting past the assemble timeout
 
     def info(self) -> dict:
         with self.lock:

@@ -31,10 +31,10 @@ TIMEOUT_S = 2.0  # the transfer timeout of the node and the clients here
 TTL_S = PoolNodeConfig.ttl_s
 
 
-def start_node(redis_url: str, namespace: str, log_path) -> subprocess.Popen:
+def start_node(redis_url: str, namespace: str, log_path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kvferry.kvpool", "--node-id", "n0", "--redis-url", redis_url]
     argv += ["--namespace", namespace, "--layout", ",".join(map(str, LAYOUT.to_list()))]
-    argv += ["--num-slots", "16", "--transfer-timeout-s", str(TIMEOUT_S)]
+    argv += ["--num-slots", "16", "--transfer-timeout-s", str(TIMEOUT_S), *extra]
     with open(log_path, "wb") as log:  # SIGKILL with the test process: a stopped node must not outlive it
         return subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGKILL)
@@ -123,6 +123,41 @@ def test_a_node_back_after_its_record_lapsed_publishes_again(redis_server, tmp_p
         proc.kill()
         proc.wait(10)
         pool.close()
+
+
+@pytest.mark.parametrize("transport", ["pair", "shm"])
+def test_a_whole_tp_put_is_answered_while_others_wait_for_slices_that_never_come(
+    redis_server, tmp_path, transport
+):
+    """Twenty puts of half a block's KV heads whose other halves never come wait out the assemble
+    timeout; a block whose two halves both come meanwhile is answered at once, not behind them (no
+    thread waits per put)."""
+    ns = f"stuck-{transport}"
+    proc = start_node(redis_server.url, ns, tmp_path / "pool.log", "--num-slots", "64")
+    ranks = [client(redis_server.url, ns, f"rank{r}", transport == "shm") for r in range(2)]
+    try:
+        assert wait_for_nodes(ranks[0], 1, 60), "the pool node did not register"
+        data = torch.randn(1, *LAYOUT.shape)
+        half = LAYOUT.num_kv_heads // 2
+        stuck = [
+            ranks[0].put_async("stuck", [bytes([11, i]) * 8], data[:, :, :, :half].clone(), (), "n0", 0, half)
+            for i in range(20)
+        ]
+        start = time.monotonic()
+        whole = [
+            ranks[r].put_async("whole", [b"w" * 16], data[:, :, :, hb:he].clone(), (), "n0", hb, he)
+            for r, (hb, he) in enumerate([(0, half), (half, LAYOUT.num_kv_heads)])
+        ]
+        found = [f.result(timeout=10) for f in whole]
+        assert time.monotonic() - start < 5, f"answered after {time.monotonic() - start:.1f}s"
+        assert found[0] == found[1] and found[0][0] is not None
+        assert torch.equal(ranks[0].get("r", found[0]), data)
+        assert not any(f.done() for f in stuck)  # still waiting for their other halves
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for c in ranks:
+            c.close()
 
 
 def greedy(ids, **kw):
