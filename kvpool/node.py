@@ -9,7 +9,8 @@ is the `SlotTable` in `slots.py`, which the node calls under its one lock. Here:
 - `PoolNode`: Connect / Reserve / Consumed / Release / GetStats. A put (a PUT header, or a same-host
   client's COMMIT of blocks it wrote into the shared slab) takes the slots its client reserved,
   completes them and answers only once every KV-head slice of its blocks is in (the other TP ranks'
-  puts), waiting on a Condition (off the peer's thread: its next transfers go on meanwhile); a GET
+  puts): until then it waits in `awaiting`, answered by whichever event makes it whole (`_wake`), no
+  thread blocked on it (the peer's next transfers go on meanwhile); a GET
   leases its slots while it sends. Publishing and unpublishing in Redis happen on a background thread
   (`_publisher`), in order; the heartbeat also runs the expiry sweep (private blocks, unassembled
   blocks, lapsed reservations) and republishes every complete block when Redis comes back empty, or
