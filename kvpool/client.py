@@ -217,6 +217,7 @@ class PoolClient:
         node_id: str | Sequence[str] | None = None,
         head_begin: int = 0,
         head_end: int | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> concurrent.futures.Future:
         """Store blocks under `keys`; a future of the location of each (None = not stored: pool full).
 
@@ -230,9 +231,14 @@ class PoolClient:
         `data` is either the packed blocks [n, L, 2, heads, bs, D], or `fill(first, count, out)` that packs
         blocks [first, first + count) into `out` (the destination slots themselves when they allow it,
         else a reused staging buffer), called run by run so packing overlaps the wire.
+
+        `layers` (begin, end): a layer-wise put of those layers only ([n, end - begin, 2, heads, bs, D]):
+        the node completes a block once every layer (and KV head) of it came, from puts of the same key
+        to the same node; each of those puts is answered then.
         """
         head_end = self.layout.num_kv_heads if head_end is None else head_end
-        self.layout.check_heads(head_begin, head_end)
+        lb, le = layers or (0, self.layout.num_layers)
+        self.layout.check_heads(head_begin, head_end, lb, le)
         private = list(private) or [False] * len(keys)
         if isinstance(data, torch.Tensor):
             data = data.contiguous()
@@ -243,7 +249,14 @@ class PoolClient:
                 part = data[first:end] if isinstance(data, torch.Tensor) else _offset(data, first)
                 parts.append(
                     self.put_async(
-                        request_id, keys[first:end], part, private[first:end], node_id, head_begin, head_end
+                        request_id,
+                        keys[first:end],
+                        part,
+                        private[first:end],
+                        node_id,
+                        head_begin,
+                        head_end,
+                        layers,
                     )
                 )
             return _gather(parts)
@@ -252,25 +265,27 @@ class PoolClient:
             done.set_result([])
             return done
         targets = [node_id] if isinstance(node_id, str) else list(node_id or self.pick_nodes())
+        slices = (head_begin, head_end, lb, le)
         if len(targets) == 1:
-            return self._put_copy(request_id, keys, data, private, targets[0], head_begin, head_end)
+            return self._put_copy(request_id, keys, data, private, targets[0], *slices)
         copies = []
         for target in dict.fromkeys(targets):
             try:
-                copies.append(self._put_copy(request_id, keys, data, private, target, head_begin, head_end))
+                copies.append(self._put_copy(request_id, keys, data, private, target, *slices))
             except PoolError as err:  # a copy fewer; the put fails only when no copy can be made
                 log.warning("copy of %d blocks of %s on %s failed: %s", len(keys), request_id, target, err)
                 copies.append(_failed(err))
         return _merge_copies(copies)
 
-    def _put_copy(self, request_id, keys, data, private, node_id, head_begin, head_end):
+    def _put_copy(self, request_id, keys, data, private, node_id, head_begin, head_end, lb, le):
         """One node's copy of a put (see `put_async`)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         node = self._node(node_id)
         named = self._reserve(node, len(keys))
         sent_at = time.monotonic()  # the node renews the lease when this put reaches it, after now
         done.add_done_callback(lambda f: f.exception() is None and self._renewed(node, sent_at))
-        put = Put(request_id, list(keys), data, private, named, head_begin, head_end, done)
+        last = 0 if le == self.layout.num_layers else le
+        put = Put(request_id, list(keys), data, private, named, head_begin, head_end, done, lb, last)
         shm = node.shm
         if shm is not None and len(named) == len(keys):
             self._put_shm(node, shm, put)
@@ -336,16 +351,17 @@ class PoolClient:
     def _put_shm(self, node: _Node, shm: SharedSlab, put: Put) -> None:
         """Copy the blocks into their reserved slots of the node's slab, then commit them (async)."""
         slab, (hb, he) = shm.slab, (put.head_begin, put.head_end)
-        full = (hb, he) == (0, self.layout.num_kv_heads)
+        lb, le = put.layer_begin, put.layer_end or self.layout.num_layers
+        full = self.layout.whole(hb, he, lb, le)
         with node.shm_lock:
             for pos, slot0, length in runs([slot for slot, _ in put.named]):
-                dest = slab[slot0 : slot0 + length, :, :, hb:he]
+                dest = slab[slot0 : slot0 + length, lb:le, :, hb:he]
                 if isinstance(put.data, torch.Tensor):
                     dest.copy_(put.data[pos : pos + length])
                 elif full:  # the slots are contiguous blocks: pack straight into them
                     put.data(pos, length, dest)
                 else:
-                    staged = node.shm_staging.view(self.layout.slice_shape(length, hb, he))
+                    staged = node.shm_staging.view(self.layout.slice_shape(length, hb, he, lb, le))
                     put.data(pos, length, staged)
                     dest.copy_(staged)
         node.link.put(put, commit=True)

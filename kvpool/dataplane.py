@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 PUT, GET, COMMIT = 1, 2, 3
 HEADER_BYTES = 1 << 16
 MAX_REQUEST_ID = 1024  # bytes of utf-8
-_FIXED = struct.Struct("<IIIIII")  # op, blocks, head_begin, head_end, chunk_blocks, len(request id)
+# op, blocks, head_begin, head_end, chunk_blocks, len(request id), layer_begin, layer_end (0: the last)
+_FIXED = struct.Struct("<IIIIIIII")
 _BLOCK = struct.Struct("<16sqQ?")  # key, slot (-1: none named), generation, private
 MAX_BLOCKS = (HEADER_BYTES - _FIXED.size - MAX_REQUEST_ID) // _BLOCK.size  # per transfer
 IDLE = timedelta(days=365)  # waits between transfers (the peer's death ends them, not a timeout)
@@ -95,6 +96,8 @@ class Header:
     slots: list[int] = field(default_factory=list)  # -1: no slot named
     generations: list[int] = field(default_factory=list)
     private: list[bool] = field(default_factory=list)
+    layer_begin: int = 0  # a layer-wise put: the layers it carries (layer_end 0: to the last)
+    layer_end: int = 0
 
     @property
     def messages(self) -> int:
@@ -113,7 +116,18 @@ class Header:
         slots = self.slots or [-1] * n
         gens = self.generations or [0] * n
         private = self.private or [False] * n
-        out = bytearray(_FIXED.pack(self.op, n, self.head_begin, self.head_end, self.chunk_blocks, len(rid)))
+        out = bytearray(
+            _FIXED.pack(
+                self.op,
+                n,
+                self.head_begin,
+                self.head_end,
+                self.chunk_blocks,
+                len(rid),
+                self.layer_begin,
+                self.layer_end,
+            )
+        )
         out += rid
         for row in zip(self.keys, slots, gens, private, strict=True):
             out += _BLOCK.pack(*row)
@@ -122,7 +136,7 @@ class Header:
     @classmethod
     def decode(cls, buf: torch.Tensor) -> Header:
         data = buf.numpy().tobytes()
-        op, n, head_begin, head_end, chunk_blocks, rid_len = _FIXED.unpack_from(data)
+        op, n, head_begin, head_end, chunk_blocks, rid_len, layer_begin, layer_end = _FIXED.unpack_from(data)
         if op not in (PUT, GET, COMMIT) or n > MAX_BLOCKS or rid_len > MAX_REQUEST_ID or chunk_blocks == 0:
             raise ValueError(f"malformed transfer header (op {op}, {n} blocks)")
         start = _FIXED.size + rid_len
@@ -137,6 +151,8 @@ class Header:
             [r[1] for r in rows],
             [r[2] for r in rows],
             [r[3] for r in rows],
+            layer_begin,
+            layer_end,
         )
 
 
@@ -156,6 +172,8 @@ class Put:
     head_begin: int
     head_end: int
     done: concurrent.futures.Future
+    layer_begin: int = 0  # a layer-wise put: the layers it carries (layer_end 0: to the last)
+    layer_end: int = 0
 
     def settle(self, found=None, error: Exception | None = None) -> None:
         """Resolve the future once (the answer and the deadline may race)."""
@@ -209,6 +227,7 @@ class PairLink:
         """Send a PUT header and the data (a COMMIT header alone: the data is in the named slots of
         the shared slab already); the node's answer resolves `put.done`."""
         hb, he, n = put.head_begin, put.head_end, len(put.keys)
+        lb, le = put.layer_begin, put.layer_end
         chunk_blocks = self._chunk_blocks(hb, he)
         plan = [] if commit else chunk_plan(n, chunk_blocks)
         unnamed = n - len(put.named)
@@ -222,12 +241,14 @@ class PairLink:
             [slot for slot, _ in put.named] + [-1] * unnamed,
             [gen for _, gen in put.named] + [0] * unnamed,
             put.private,
+            lb,
+            le,
         ).encode()
 
         def chunk(i: int, first: int, count: int) -> torch.Tensor:
             if isinstance(put.data, torch.Tensor):
                 return put.data[first : first + count]
-            out = self.staging.view(self.layout.slice_shape(count, hb, he), i)
+            out = self.staging.view(self.layout.slice_shape(count, hb, he, lb, le), i)
             put.data(first, count, out)
             return out
 

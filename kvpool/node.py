@@ -140,6 +140,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             cfg.num_slots,
             layout.num_kv_heads,
             self.node_id,
+            num_layers=layout.num_layers,
             private_ttl_s=cfg.private_ttl_s,
             assemble_timeout_s=cfg.assemble_timeout_s,
             reserve_ttl_s=cfg.reserve_ttl_s,
@@ -294,8 +295,8 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         for i in itertools.count():
             try:
                 work.wait(IDLE)
-                header = Header.decode(bufs[i % 2])
-                self.layout.check_heads(header.head_begin, header.head_end)
+                h = header = Header.decode(bufs[i % 2])
+                self.layout.check_heads(h.head_begin, h.head_end, h.layer_begin, h.layer_end)
                 following = next_tag(tag, header.messages)
                 work = peer.group.recv([bufs[(i + 1) % 2]], 1, following)
                 if header.op == GET:
@@ -317,16 +318,17 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             plan = self.table.begin_write(h.request_id, h.keys, h.private, owner=peer.peer_id, named=named)
             self._evicted(plan.evicted)
         n, rows = len(h.keys), plan.rows
-        full = h.head_begin == 0 and h.head_end == self.layout.num_kv_heads
+        hb, he, lb, le = h.head_begin, h.head_end, h.layer_begin, h.layer_end or self.layout.num_layers
+        full = self.layout.whole(hb, he, lb, le)
         slot_ids = [plan.slots[i] for i in rows]
         direct = full and len(rows) == n and len(runs(slot_ids)) == 1  # one slab range: receive in place
-        dest_slab = self.slab[:, :, :, h.head_begin : h.head_end]
+        dest_slab = self.slab[:, lb:le, :, hb:he]
         row_slot = {row: plan.slots[row] for row in rows}
 
         def dest(i: int, first: int, count: int) -> torch.Tensor:
             if direct:
                 return self.slab[slot_ids[0] + first : slot_ids[0] + first + count]
-            return peer.staging.view(self.layout.slice_shape(count, h.head_begin, h.head_end), i)
+            return peer.staging.view(self.layout.slice_shape(count, hb, he, lb, le), i)
 
         def land(i: int, first: int, count: int, data: torch.Tensor) -> None:
             keep = [r for r in range(first, first + count) if r in row_slot]  # duplicates are dropped
@@ -357,7 +359,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         the client's reservation are stored (a lapsed one may hold someone else's block now)."""
         if self.shm is None:
             raise ValueError("a COMMIT to a node without a shared slab")
-        hb, he = h.head_begin, h.head_end
+        hb, he, lb, le = h.head_begin, h.head_end, h.layer_begin, h.layer_end or self.layout.num_layers
         named = [(s, g) for s, g in zip(h.slots, h.generations, strict=True)]
         with self.lock:
             plan = self.table.begin_write(
@@ -366,7 +368,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             # a block that joined another writer's slot (a TP rank's slice came first) moves there
             for src, dst in zip(plan.sources, plan.slots, strict=True):
                 if src is not None and dst is not None and src != dst:
-                    self.slab[dst, :, :, hb:he] = self.slab[src, :, :, hb:he]
+                    self.slab[dst, lb:le, :, hb:he] = self.slab[src, lb:le, :, hb:he]
             self._evicted(plan.evicted)  # none: a commit takes only its reserved slots
         self._answer(peer, plan, h, tag)
 
@@ -377,7 +379,9 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         No thread waits meanwhile: the peer's next transfers go on."""
         waiting = Awaiting(peer, plan, tag, time.monotonic() + self.cfg.assemble_timeout_s)
         with self.lock:
-            publish, assembled = self.table.finish_write(plan, h.head_begin, h.head_end)
+            publish, assembled = self.table.finish_write(
+                plan, h.head_begin, h.head_end, h.layer_begin, h.layer_end or None
+            )
             if self.table.pending(plan):
                 self.awaiting.append(waiting)
             else:

@@ -63,7 +63,9 @@ class Slot:
     state: SlotState = SlotState.FREE
     key: bytes = b""
     generation: int = 0
-    heads_written: int = 0  # bitmask of KV heads received so far (a TP put brings one slice per rank)
+    # bitmask of the (layer, KV head) cells received so far: a TP put brings its ranks' heads, a
+    # layer-wise put one layer (bit layer * num_kv_heads + head)
+    written: int = 0
     writers: int = 0  # puts whose bytes are landing here now: the slot is neither freed nor evictable
     leases: int = 0
     request_id: str = ""  # owner of a private block
@@ -108,6 +110,7 @@ class SlotTable:
         num_kv_heads: int,
         node_id: str,
         *,
+        num_layers: int = 1,
         private_ttl_s: float = 20.0,
         assemble_timeout_s: float = 30.0,
         reserve_ttl_s: float = 30.0,
@@ -115,8 +118,8 @@ class SlotTable:
         on_change: Callable[[Slot], None] | None = None,
     ):
         self.node_id = node_id
-        self.all_heads = (1 << num_kv_heads) - 1
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads, self.num_layers = num_kv_heads, num_layers
+        self.all_cells = (1 << num_kv_heads * num_layers) - 1
         self.private_ttl_s = private_ttl_s
         self.assemble_timeout_s = assemble_timeout_s
         self.reserve_ttl_s = reserve_ttl_s
@@ -227,15 +230,23 @@ class SlotTable:
         return plan
 
     def finish_write(
-        self, plan: PutPlan, head_begin: int = 0, head_end: int | None = None
+        self,
+        plan: PutPlan,
+        head_begin: int = 0,
+        head_end: int | None = None,
+        layer_begin: int = 0,
+        layer_end: int | None = None,
     ) -> tuple[list[Location], bool]:
-        """The put's KV heads [head_begin, head_end) landed in its slots: unpin them, and complete every
-        block that now has all its heads (PRIVATE for a private block, else PUBLISHED and evictable once
-        unpinned). A block still missing slices may expire `assemble_timeout_s` after its last writer.
-        Returns (locations to publish: the completed blocks then `plan.republish`, whether any block
-        was completed: a put waiting on `pending` may be done)."""
+        """The put's KV heads [head_begin, head_end) of layers [layer_begin, layer_end) landed in its
+        slots: unpin them, and complete every block that now has every head of every layer (PRIVATE for
+        a private block, else PUBLISHED and evictable once unpinned). A block still missing slices may
+        expire `assemble_timeout_s` after its last writer. Returns (locations to publish: the completed
+        blocks then `plan.republish`, whether any block was completed: a put waiting on `pending` may be
+        done)."""
         head_end = self.num_kv_heads if head_end is None else head_end
-        mask = ((1 << head_end) - 1) ^ ((1 << head_begin) - 1)
+        layer_end = self.num_layers if layer_end is None else layer_end
+        heads = ((1 << head_end) - 1) ^ ((1 << head_begin) - 1)
+        mask = sum(heads << layer * self.num_kv_heads for layer in range(layer_begin, layer_end))
         now = self.clock()
         publish: list[Location] = []
         assembled = False
@@ -244,8 +255,8 @@ class SlotTable:
                 continue
             slot = self.slots[index]
             slot.writers -= 1
-            slot.heads_written |= mask
-            if slot.heads_written == self.all_heads and slot.state == SlotState.WRITING:
+            slot.written |= mask
+            if slot.written == self.all_cells and slot.state == SlotState.WRITING:
                 assembled = True
                 if is_private:
                     self._set_state(slot, SlotState.PRIVATE)
@@ -538,7 +549,7 @@ class SlotTable:
         if self.index.get(slot.key) == slot.index:  # a newer copy of the key keeps its entry
             del self.index[slot.key]
         self._set_state(slot, SlotState.FREE)
-        slot.key, slot.heads_written = b"", 0
+        slot.key, slot.written = b"", 0
 
     def _release(self, slot: Slot) -> None:
         if slot.state in (SlotState.WRITING, SlotState.PUBLISHED) and self.index.get(slot.key) == slot.index:
@@ -546,6 +557,6 @@ class SlotTable:
         self.lru.pop(slot.index, None)
         self._untrack(slot)
         self._set_state(slot, SlotState.FREE)
-        slot.key, slot.heads_written, slot.request_id, slot.leases = b"", 0, "", 0
+        slot.key, slot.written, slot.request_id, slot.leases = b"", 0, "", 0
         slot.released = False
         self.free.append(slot.index)

@@ -57,12 +57,27 @@ class BlockLayout:
             n *= d
         return n
 
-    def slice_shape(self, num_blocks: int, head_begin: int, head_end: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, head_end - head_begin, self.block_size, self.head_dim)
+    def slice_shape(
+        self, num_blocks: int, head_begin: int, head_end: int, layer_begin: int = 0, layer_end: int = 0
+    ) -> tuple[int, ...]:
+        """[n, layers, 2, heads, block_size, D] of a slice (layer_end 0: to the last layer)."""
+        layers = (layer_end or self.num_layers) - layer_begin
+        return (num_blocks, layers, 2, head_end - head_begin, self.block_size, self.head_dim)
 
-    def check_heads(self, head_begin: int, head_end: int) -> None:
+    def check_heads(self, head_begin: int, head_end: int, layer_begin: int = 0, layer_end: int = 0) -> None:
         if not 0 <= head_begin < head_end <= self.num_kv_heads:
             raise ValueError(f"KV-head slice [{head_begin}, {head_end}) outside [0, {self.num_kv_heads})")
+        if not 0 <= layer_begin < (layer_end or self.num_layers) <= self.num_layers:
+            raise ValueError(f"layer slice [{layer_begin}, {layer_end}) outside [0, {self.num_layers})")
+
+    def whole(self, head_begin: int, head_end: int, layer_begin: int = 0, layer_end: int = 0) -> bool:
+        """Whether the slice is every KV head of every layer (a block's bytes are one range)."""
+        return (head_begin, head_end, layer_begin, layer_end or self.num_layers) == (
+            0,
+            self.num_kv_heads,
+            0,
+            self.num_layers,
+        )
 
     def to_list(self) -> list:
         return [self.num_layers, self.num_kv_heads, self.block_size, self.head_dim, self.dtype]

@@ -136,6 +136,33 @@ def test_tp_slices_publish_only_when_every_head_arrived(pool):
     assert torch.equal(pool.get("tp-read", [loc], head_begin=1, head_end=3), data[:, :, :, 1:3])
 
 
+def test_layer_wise_puts_complete_a_block_when_every_layer_and_head_came(pool):
+    """A prefill streaming its KV puts each layer of its blocks as it is computed (a TP rank: its KV
+    heads of it): the blocks are published, and every one of those puts answered, only once the last
+    slice is in; a private block assembles the same way; the bytes read back whole are bit-exact."""
+    data = blocks(3, 5)
+    keys = [key(0, 5), key(1, 5), key(2, 5)]
+    private = [False, False, True]
+    marker = [key(3, 5)]
+    first = pool.put_async("lw", keys, data[:, :1].contiguous(), private, layers=(0, 1))
+    pool.put("lw", marker, blocks(1, 6))  # published after it: the layer-0 put was handled before
+    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1)
+    assert pool.lookup_prefix(keys[:2]) == [] and not first.done()
+    # layer 1 in two KV-head halves (a TP group's two ranks)
+    halves = [
+        pool.put_async("lw", keys, data[:, 1:, :, hb:he].contiguous(), private, None, hb, he, (1, 2))
+        for hb, he in ((0, 2), (2, 4))
+    ]
+    found = [f.result(timeout=10) for f in (first, *halves)]
+    assert found[0] == found[1] == found[2] and all(loc is not None for loc in found[0])
+    wait_for(lambda: len(pool.lookup_prefix(keys[:2])) == 2)
+    assert torch.equal(pool.get("lw-read", found[0]), data)
+    assert torch.equal(pool.get("lw-read", found[0][:2], head_begin=1, head_end=3), data[:2, :, :, 1:3])
+    with pytest.raises(ValueError, match="layer slice"):
+        pool.put_async("lw", keys[:1], data[:1], layers=(1, 3))
+    pool.release("lw")
+
+
 def test_eviction_makes_stale_locations_misses(pool):
     first = pool.put("e1", [key(0, 4)], blocks(1, 4))
     wait_for(lambda: len(pool.lookup_prefix([key(0, 4)])) == 1)
