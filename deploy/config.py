@@ -79,6 +79,7 @@ class PoolSettings:
     disk_dir: str | None = None
     disk_max_gib: float = 0.0
     replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
+    stream_layers: bool = True  # a prefill writes each layer's finished blocks while the next compute
     # a block read over the network this many times within hot_window_s is copied to other nodes until
     # it has hot_replicas copies (0 = off)
     hot_reads: int = 8

@@ -414,6 +414,7 @@ def worker_argv(
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
         *_common(cfg, host),
         *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
+        *([] if cfg.pool.stream_layers else ["--no-kv-streaming"]),
         *engine_flags(engine),
     ]
 

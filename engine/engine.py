@@ -157,6 +157,8 @@ class LLMEngine:
         # called with each request that finishes, before its KV blocks are freed (the prefill worker
         # copies the prompt's KV out here)
         self.finish_hook: Callable[[Request], None] | None = None
+        # before a step's forward: the batch -> a callback run after each layer of it, or None
+        self.step_hook: Callable[[ScheduledBatch], Callable[[int], None] | None] | None = None
 
     def add_request(
         self,
@@ -232,7 +234,12 @@ class LLMEngine:
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch.work:
-            sampled = self.runner.run(batch)
+            model = self.runner.model
+            model.after_layer = None if self.step_hook is None else self.step_hook(batch)
+            try:
+                sampled = self.runner.run(batch)
+            finally:
+                model.after_layer = None
             outputs += self._update(batch, sampled)
             self.num_steps += 1
         elif join:

@@ -44,7 +44,7 @@ from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
-__all__ = ["PoolClient", "PoolError", "from_proto", "to_proto", "wait_for_nodes"]
+__all__ = ["PoolClient", "PoolError", "from_proto", "gather", "to_proto", "wait_for_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class PoolClient:
                         layers,
                     )
                 )
-            return _gather(parts)
+            return gather(parts)
         if not keys:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result([])
@@ -577,9 +577,11 @@ def _merge_copies(copies: list[concurrent.futures.Future]) -> concurrent.futures
     return done
 
 
-def _gather(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+def gather(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
     """One future of the concatenated results of `parts` (the first failure fails it)."""
     done: concurrent.futures.Future = concurrent.futures.Future()
+    if not parts:
+        done.set_result([])
 
     def check(_) -> None:
         if done.done() or not all(p.done() for p in parts):

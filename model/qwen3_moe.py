@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,6 +113,9 @@ class Qwen3MoeModel(nn.Module):
         super().__init__()
         self.kernels = False
         self.decode_weights: list[torch.Tensor] = []  # set by pack_weights where decode_layers can serve
+        # called with a layer's index once its forward (and so its KV-cache write) is done: a prefill
+        # streams that layer's finished blocks to the pool meanwhile (LLMEngine.step_hook)
+        self.after_layer: Callable[[int], None] | None = None
         self.cfg = cfg
         self.parallel = parallel = parallel or Parallel.single()
         tp = parallel.tp
@@ -139,8 +144,10 @@ class Qwen3MoeModel(nn.Module):
         rope = self.rotary(positions, x.dtype)
         if self.kernels:  # [T, D] tables for the kernel
             rope = tuple(t.squeeze(1) for t in rope)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
+            if self.after_layer is not None:
+                self.after_layer(i)
         return self.norm.add_forward(x, residual)
 
     def _decode_step(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:

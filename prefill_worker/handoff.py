@@ -70,6 +70,9 @@ class KVWrite:
     block_ids: list[int]
     data: torch.Tensor | None  # the blocks' bytes, copied out of the paged cache
     node_id: list[str] | None  # a tensor-parallel group writes every rank's slice to the same nodes
+    # blocks streamed layer by layer during the prefill (`streaming.py`): (prompt block indices, the
+    # future of their locations), added to `write` when the KV write starts
+    streamed: list
     cached_tokens: int
     pool_cached_tokens: int
     computed_tokens: int

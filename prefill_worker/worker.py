@@ -22,9 +22,10 @@ from kvferry.convert import sampling_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
-from kvferry.kvpool.client import PoolClient, PoolError, to_proto
+from kvferry.kvpool.client import PoolClient, PoolError, gather, to_proto
 from kvferry.kvpool.transfer import pack_blocks
 from kvferry.prefill_worker.handoff import KVWrite, PrefillJob, PrefixLookup, PrefixPull
+from kvferry.prefill_worker.streaming import LayerStreamer, missing_on_failure
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from kvferry.worker.group import Group
 from kvferry.worker.runtime import run_worker
@@ -52,6 +53,17 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         engine.finish_hook = self._capture
         kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
         self.heads = (kv.start, kv.stop)
+        self.streamer: LayerStreamer | None = None
+        self.stream_layers(True)
+
+    def stream_layers(self, on: bool) -> None:
+        """Stream each step's finished blocks to the pool layer by layer (`streaming.py`); not in a
+        tensor-parallel group (its other ranks write their slices after the prefill)."""
+        on = on and not self.leader.active
+        self.streamer = (
+            LayerStreamer(self.engine, self.pool, self.heads, self.jobs.__contains__) if on else None
+        )
+        self.engine.step_hook = None if self.streamer is None else self.streamer.hook
 
     def stop(self) -> None:
         super().stop()
@@ -97,7 +109,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
 
     def _stats(self) -> worker_pb2.WorkerStats:
-        return super()._stats(prompt_tokens_computed=self.counters["prompt_tokens_computed"])
+        c = self.counters
+        return super()._stats(
+            prompt_tokens_computed=c["prompt_tokens_computed"], blocks_streamed=c["blocks_streamed"]
+        )
 
     # -- engine thread: admission and the prefix stages -------------------------------------------------
     def _admit(self, job: PrefillJob) -> None:
@@ -225,8 +240,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         num_full = req.num_prompt_tokens // bs
         self.engine.block_manager.update_keys(req)
         full_keys = req.block_keys[:num_full]
+        streamed = None if self.streamer is None else self.streamer.take(req.request_id)
+        done = set() if streamed is None else set(streamed.blocks)
         locations = self.pool.lookup(full_keys)  # blocks the pool already holds are not re-sent
-        write = [i for i in range(num_full) if locations[i] is None]
+        write = [i for i in range(num_full) if locations[i] is None and i not in done]
         tail = req.num_prompt_tokens % bs > 0
         if tail:
             write.append(num_full)
@@ -259,6 +276,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             block_ids=block_ids,
             data=data,
             node_id=node_id,
+            streamed=[] if streamed is None else streamed.futures,
             cached_tokens=cached,
             pool_cached_tokens=pool_hits,
             computed_tokens=req.num_prompt_tokens - cached,
@@ -269,10 +287,17 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def _put(self, kv: KVWrite):
         """Transfer thread: send the blocks; returns the future of the pool's reply (or the reply)."""
         kv.put_started = time.perf_counter()
-        if not kv.write:
-            return []
-        data, kv.data = kv.data, None  # sent once the call returns: the copy can go
-        return self.pool.put_async(kv.job.req.request_id, kv.keys, data, kv.private, kv.node_id, *self.heads)
+        parts = []
+        if kv.write:
+            data, kv.data = kv.data, None  # sent once the call returns: the copy can go
+            parts.append(
+                self.pool.put_async(kv.job.req.request_id, kv.keys, data, kv.private, kv.node_id, *self.heads)
+            )
+        for indices, future in kv.streamed:  # the blocks streamed during the prefill: answered with these
+            kv.write += indices
+            self.counters["blocks_streamed"] += len(indices)
+            parts.append(missing_on_failure(future, len(indices), kv.job.req.request_id))
+        return gather(parts)
 
     def _answer(self, done: Done[KVWrite]) -> None:
         """The KV write finished (on the transfer or the pool client's thread): answer the call now."""
@@ -353,6 +378,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         if job is not None and self.jobs.get(request_id) is not job:
             return
         job = self.jobs.pop(request_id, None)
+        if self.streamer is not None:
+            self.streamer.take(request_id)
         if job is not None and job.holder:
             self.engine.block_manager.release(job.holder)
             job.holder = []

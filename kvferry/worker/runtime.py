@@ -48,6 +48,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="copies of each KV block this worker writes to the pool, on distinct nodes (as many as are "
         "live): a block survives the death of all but one of them",
     )
+    p.add_argument(
+        "--no-kv-streaming",
+        action="store_true",
+        help="prefill: write a prompt's KV to the pool after the prefill, not layer by layer as computed",
+    )
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument(
         "--stall-timeout-s",
@@ -148,6 +153,8 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
         hard_exit(0)
     servicer = make_servicer(engine, pool, worker_id, group)
     servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
+    if role == "prefill":
+        servicer.stream_layers(not args.no_kv_streaming)
     server = AioServer(lambda s: add_to_server(servicer, s), service_names(descriptor), args.host, args.port)
     addr = f"{args.host}:{server.port}"
 

@@ -20,6 +20,7 @@ from kvferry.prefill_worker.worker import PrefillWorker
 from kvferry.v1 import generate_pb2, worker_pb2
 
 BS = 16
+LAYERS = 2  # the tiny model's
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 LENGTHS = (64, 49, 53)  # a multiple of the block size; a 1-token tail; a 5-token tail
@@ -134,12 +135,20 @@ class FakePool:
         unpack_blocks(cache, list(block_ids), data, head_begin)
         return len(locations)
 
-    def put_async(self, request_id, keys, data, private=(), node_id=None, head_begin=0, head_end=None):
+    def put_async(
+        self, request_id, keys, data, private=(), node_id=None, head_begin=0, head_end=None, layers=None
+    ):
+        """A whole-block put, or a layer-wise one (`layers`): a block counts as put with its last layer."""
         out = []
         for key, block in zip(keys, data, strict=True):
-            self.puts += 1
-            self.blocks[key] = block.clone()
-            self.locations[key] = Location(key, "fake-node", len(self.locations), 1)
+            if layers is None:
+                self.blocks[key] = block.clone()
+            else:
+                whole = self.blocks.setdefault(key, torch.full((LAYERS, *block.shape[1:]), float("nan")))
+                whole[layers[0] : layers[1]] = block
+            if layers is None or layers[1] == LAYERS:
+                self.puts += 1
+            self.locations.setdefault(key, Location(key, "fake-node", len(self.locations), 1))
             out.append(self.locations[key])
         future = concurrent.futures.Future()
         future.set_result(out)
@@ -147,6 +156,9 @@ class FakePool:
 
     def pick_node(self) -> str:
         return "fake-node"
+
+    def pick_nodes(self) -> list[str]:
+        return ["fake-node"]
 
     def release(self, request_id) -> int:
         return 0

@@ -1,0 +1,57 @@
+"""Layer-wise KV streaming from the prefill worker (`prefill_worker/streaming.py`), in a real cluster:
+a prompt prefilled in several chunks has every full block written to the pool layer by layer during
+its steps, the decode worker pulls all of it (nothing recomputed), and the tokens match transformers;
+with streaming off the same blocks are written after the prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cluster_helpers import Members, wait_for
+from conftest import make_cluster_config
+
+from kvferry.deploy.config import PoolSettings, WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.keys import block_keys
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import Client, build_request
+
+pytestmark = pytest.mark.slow
+
+# 32-token steps: a 100-token prompt is prefilled in 4 chunks
+CHUNKED = {"max_model_len": 1024, "num_kv_blocks": 256, "max_num_batched_tokens": 32}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "after-prefill"])
+def test_chunked_prompt_streams_its_blocks(redis_server, tiny_model_dir, tmp_path, hf_greedy, stream):
+    cfg = make_cluster_config(
+        tiny_model_dir,
+        redis_server.url,
+        f"test-stream-{stream}",
+        pool=PoolSettings(nodes=1, memory_gib=0.1, stream_layers=stream),
+        prefill=WorkerGroupSettings(replicas=1, engine=CHUNKED),
+        decode=WorkerGroupSettings(replicas=1, engine=CHUNKED),
+    )
+    prompts = [
+        torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 64)
+    ]
+    refs = hf_greedy(tiny_model_dir, prompts, 6)
+    with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as api:
+        members = Members(cluster)
+        meta = MetadataStore(cluster.redis_url, cfg.namespace)
+        try:
+            for prompt, ref in zip(prompts, refs, strict=True):
+                request = build_request(
+                    prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True
+                )
+                assert api.generate(request, timeout=60).token_ids == ref
+            (prefill,) = members.stats("prefill").values()
+            (decode,) = members.stats("decode").values()
+            full = 100 // 16 + 64 // 16
+            assert prefill.blocks_streamed == (full if stream else 0)
+            assert prefill.blocks_put == full + 1  # and the 100-token prompt's private tail
+            assert decode.pool_hit_tokens == 164 and decode.recomputed_tokens == 0
+            keys = block_keys(prompts[0], 16, bytes.fromhex(api.model_info().fingerprint))
+            wait_for(lambda: len(meta.lookup_prefix(keys)) == 6, 10, "the streamed blocks to be published")
+        finally:
+            members.close()
