@@ -79,7 +79,10 @@ class PoolSettings:
     disk_dir: str | None = None
     disk_max_gib: float = 0.0
     replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
-    stream_layers: bool = True  # a prefill writes each layer's finished blocks while the next compute
+    # a prefill puts each layer's finished blocks while the next layers compute: on | off | auto (on when
+    # the prefill computes on a GPU: on CPU the transfer takes cores from the compute)
+    stream_layers: str = "auto"
+    shm: bool = True  # False: workers on a node's host use its pair group too, as remote ones do
     # a block read over the network this many times within hot_window_s is copied to other nodes until
     # it has hot_replicas copies (0 = off)
     hot_reads: int = 8
@@ -87,6 +90,10 @@ class PoolSettings:
     hot_replicas: int = 2
 
     def __post_init__(self):
+        if self.stream_layers not in ("on", "off", "auto"):
+            raise ClusterConfigError(
+                f"pool.stream_layers must be on, off or auto, got {self.stream_layers!r}"
+            )
         if self.replicas < 1 or self.hot_replicas < 1 or self.hot_reads < 0 or self.hot_window_s <= 0:
             raise ClusterConfigError(
                 "pool.replicas and pool.hot_replicas must be >= 1, pool.hot_reads >= 0 and "

@@ -390,6 +390,7 @@ def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) 
         *_common(cfg, host),
         *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
         *("--private-ttl-s", str(cfg.pool.private_ttl_s)),
+        *([] if cfg.pool.shm else ["--no-shm"]),
         *("--hot-reads", str(cfg.pool.hot_reads), "--hot-window-s", str(cfg.pool.hot_window_s)),
         *("--hot-replicas", str(cfg.pool.hot_replicas)),
         *disk,
@@ -414,7 +415,7 @@ def worker_argv(
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
         *_common(cfg, host),
         *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
-        *([] if cfg.pool.stream_layers else ["--no-kv-streaming"]),
+        *("--kv-streaming", cfg.pool.stream_layers),
         *engine_flags(engine),
     ]
 

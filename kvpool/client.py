@@ -147,10 +147,13 @@ class PoolClient:
         return ranked[: count or self.replicas]
 
     def near(self, node_id: str) -> int:
-        """How far a node is (`MetadataStore.lookup`'s `prefer`): 0 on this host with its slab mapped
-        (a get is a memcpy), else 1."""
+        """How far a node is (`MetadataStore.lookup`'s `prefer`): 0 on this host with its slab mapped (a
+        get is a memcpy; for a node not used yet: its record advertises a slab on this host), else 1."""
         node = self.nodes.get(node_id)
-        return 0 if node is not None and node.shm is not None else 1
+        if node is not None:
+            return 0 if node.shm is not None else 1
+        info = self._known.get(node_id, {})  # not talked to yet: what its record advertises
+        return 0 if self.use_shm and info.get("shm") and info.get("boot_id") == boot_id() else 1
 
     def _node(self, node_id: str) -> _Node:
         with self._lock:

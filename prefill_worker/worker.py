@@ -54,15 +54,17 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
         self.heads = (kv.start, kv.stop)
         self.streamer: LayerStreamer | None = None
-        self.stream_layers(True)
+        self.stream_layers("auto")
 
-    def stream_layers(self, on: bool) -> None:
-        """Stream each step's finished blocks to the pool layer by layer (`streaming.py`); not in a
-        tensor-parallel group (its other ranks write their slices after the prefill)."""
-        on = on and not self.leader.active
-        self.streamer = (
-            LayerStreamer(self.engine, self.pool, self.heads, self.jobs.__contains__) if on else None
-        )
+    def stream_layers(self, mode: str) -> None:
+        """Stream each step's finished blocks to the pool layer by layer (`streaming.py`): mode on, off,
+        or auto (on when the engine computes on a GPU: on CPU the transfer takes cores from the prefill,
+        and the write after it costs less, `bench/kv_streaming.py`). Not in a tensor-parallel group
+        (its other ranks write their slices after the prefill)."""
+        on = mode == "on" or (mode == "auto" and self.engine.device.type == "cuda")
+        self.streamer = None
+        if on and not self.leader.active:
+            self.streamer = LayerStreamer(self.engine, self.pool, self.heads, self.jobs.__contains__)
         self.engine.step_hook = None if self.streamer is None else self.streamer.hook
 
     def stop(self) -> None:

@@ -49,9 +49,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "live): a block survives the death of all but one of them",
     )
     p.add_argument(
-        "--no-kv-streaming",
-        action="store_true",
-        help="prefill: write a prompt's KV to the pool after the prefill, not layer by layer as computed",
+        "--kv-streaming",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prefill: put each layer of the finished blocks to the pool while the next layers compute "
+        "(on), after the prefill (off), or on when the engine runs on a GPU (auto: the default; on CPU "
+        "the transfer takes cores from the prefill and costs more than it saves)",
     )
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument(
@@ -154,7 +157,7 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     servicer = make_servicer(engine, pool, worker_id, group)
     servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
     if role == "prefill":
-        servicer.stream_layers(not args.no_kv_streaming)
+        servicer.stream_layers(args.kv_streaming)
     server = AioServer(lambda s: add_to_server(servicer, s), service_names(descriptor), args.host, args.port)
     addr = f"{args.host}:{server.port}"
 

@@ -22,13 +22,20 @@ pytestmark = pytest.mark.slow
 CHUNKED = {"max_model_len": 1024, "num_kv_blocks": 256, "max_num_batched_tokens": 32}
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "after-prefill"])
-def test_chunked_prompt_streams_its_blocks(redis_server, tiny_model_dir, tmp_path, hf_greedy, stream):
+@pytest.mark.parametrize(
+    "mode, shm, stream",
+    [("on", True, True), ("on", False, True), ("off", True, False), ("auto", True, False)],
+    ids=["on-shm", "on-pair", "off", "auto-cpu"],
+)
+def test_chunked_prompt_streams_its_blocks(
+    redis_server, tiny_model_dir, tmp_path, hf_greedy, mode, shm, stream
+):
+    """Through the shared slab and the pair group; `auto` does not stream on CPU."""
     cfg = make_cluster_config(
         tiny_model_dir,
         redis_server.url,
-        f"test-stream-{stream}",
-        pool=PoolSettings(nodes=1, memory_gib=0.1, stream_layers=stream),
+        f"test-stream-{mode}-{shm}",
+        pool=PoolSettings(nodes=1, memory_gib=0.1, stream_layers=mode, shm=shm),
         prefill=WorkerGroupSettings(replicas=1, engine=CHUNKED),
         decode=WorkerGroupSettings(replicas=1, engine=CHUNKED),
     )
