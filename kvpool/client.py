@@ -62,6 +62,9 @@ class _Node:
     shm_path: str = ""  # the slab file last advertised (mapped, or failed to map)
     shm_staging: Staging | None = None  # for KV-head slices written through shm (under shm_lock)
     shm_lock: threading.Lock = field(default_factory=threading.Lock)
+    # a get's blocks gathered from scattered slots in one copy (under shm_get_lock)
+    shm_get_staging: Staging | None = None
+    shm_get_lock: threading.Lock = field(default_factory=threading.Lock)
     # slots reserved for this client's puts, lowest first, usable until `reserved_until` (half the lease)
     reserve_lock: threading.Lock = field(default_factory=threading.Lock)
     reserved: list[tuple[int, int]] = field(default_factory=list)
@@ -184,6 +187,7 @@ class PoolClient:
         node = _Node(node_id, channel, stub, link, int(info.get("num_slots", 0)))
         self._remap(node, info)
         node.shm_staging = Staging(self.layout.torch_dtype, self.device)
+        node.shm_get_staging = Staging(self.layout.torch_dtype, self.device)
         with self._lock:
             if node_id in self.nodes:  # another thread made it meanwhile
                 link.close()
@@ -356,8 +360,17 @@ class PoolClient:
         slab, (hb, he) = shm.slab, (put.head_begin, put.head_end)
         lb, le = put.layer_begin, put.layer_end or self.layout.num_layers
         full = self.layout.whole(hb, he, lb, le)
+        slots = [slot for slot, _ in put.named]
+        spans = runs(slots)
         with node.shm_lock:
-            for pos, slot0, length in runs([slot for slot, _ in put.named]):
+            if full and len(spans) > 1:  # scattered slots: pack once, then one scatter copy
+                staged = put.data
+                if not isinstance(staged, torch.Tensor):
+                    staged = node.shm_staging.view(self.layout.slice_shape(len(slots), hb, he))
+                    put.data(0, len(slots), staged)
+                slab.index_copy_(0, torch.tensor(slots), staged)
+                spans = []
+            for pos, slot0, length in spans:
                 dest = slab[slot0 : slot0 + length, lb:le, :, hb:he]
                 if isinstance(put.data, torch.Tensor):
                     dest.copy_(put.data[pos : pos + length])
@@ -478,7 +491,15 @@ class PoolClient:
         n, private = shm.valid(run)
         if n < len(run):
             self.meta.unpublish([run[n]])  # compare-and-delete: only that exact stale entry
-        for pos, slot0, length in runs([loc.slot for loc in run[:n]]):
+        slots = [loc.slot for loc in run[:n]]
+        spans = runs(slots)
+        if len(spans) > 1 and head_end - head_begin == self.layout.num_kv_heads:
+            with node.shm_get_lock:  # scattered slots: gather them in one copy, consume once
+                staged = node.shm_get_staging.view(self.layout.slice_shape(n, 0, head_end))
+                torch.index_select(shm.slab, 0, torch.tensor(slots), out=staged)
+                consume(offset, staged)
+            spans = []
+        for pos, slot0, length in spans:
             consume(offset + pos, shm.slab[slot0 : slot0 + length, :, :, head_begin:head_end])
         n = min(n, shm.valid(run[:n], complete=False)[0])  # a slot reused meanwhile: a miss from there
         read = [to_proto(loc) for loc, p in zip(run[:n], private, strict=False) if p]

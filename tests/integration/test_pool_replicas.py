@@ -118,8 +118,12 @@ def test_killed_node_loses_no_replicated_block(redis_server, tmp_path, transport
         located = writer.put("w", keys, data, private=[False] * 4 + [True])
         assert all(loc is not None and len(loc.copies()) == 2 for loc in located)
         assert all({c.node_id for c in loc.copies()} == {"n0", "n1"} for loc in located)
-        found = wait_for(lambda: len(reader.lookup_prefix(keys[:4])) == 4 and reader.lookup_prefix(keys[:4]))
-        assert all(len(loc.copies()) == 2 for loc in found)
+
+        def both_published():  # each node publishes its own copy, in its own time
+            found = reader.lookup_prefix(keys[:4])
+            return len(found) == 4 and all(len(loc.copies()) == 2 for loc in found) and found
+
+        found = wait_for(both_published, 10, "both copies to be published")
         assert torch.equal(reader.get("r0", found), data[:4])
 
         first = located[0].node_id
@@ -196,8 +200,13 @@ def test_cluster_keeps_its_prefix_hits_when_a_replica_node_dies(redis_server, ti
             prompt = torch.randint(3, 8192, (64,), generator=torch.Generator().manual_seed(7)).tolist()
             expected = api.generate(greedy(prompt), timeout=60)
             keys = block_keys(prompt, 16, bytes.fromhex(api.model_info().fingerprint))
-            found = wait_for(lambda: len(meta.lookup_prefix(keys)) == 4 and meta.lookup_prefix(keys))
-            assert all({c.node_id for c in loc.copies()} == set(members.pool) for loc in found)
+
+            def on_both() -> list:  # each node publishes its own copy, in its own time
+                found = meta.lookup_prefix(keys)
+                nodes = [{c.node_id for c in loc.copies()} for loc in found]
+                return len(found) == 4 and all(n == set(members.pool) for n in nodes) and found
+
+            found = wait_for(on_both, 10, "a copy of every block on each node")
 
             victim = next(c.proc for c in cluster.children if c.name == found[0].node_id)
             victim.kill()
