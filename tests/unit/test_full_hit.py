@@ -212,3 +212,41 @@ def test_identical_repeat_through_the_prefill_worker(tiny_model_dir, prompts, re
     finally:
         for w in workers:
             w.stop()
+
+
+class FailingLayerPool(FakePool):
+    """A pool whose layer-wise puts fail (a node gone mid-stream); whole-block puts work."""
+
+    def put_async(
+        self, request_id, keys, data, private=(), node_id=None, head_begin=0, head_end=None, layers=None
+    ):
+        if layers is not None:
+            raise RuntimeError("the node went away")
+        return super().put_async(request_id, keys, data, private, node_id, head_begin, head_end)
+
+
+@pytest.mark.parametrize("pool_cls", [FakePool, FailingLayerPool], ids=["streamed", "stream-fails"])
+def test_layer_streaming_stores_every_block_or_answers_without_it(
+    tiny_model_dir, prompts, reference, pool_cls
+):
+    """Streaming on (chunks of 32 tokens): every full block reaches the pool layer by layer, bit-exact
+    with the cache; a failing stream never fails the prefill: it is answered, without those blocks."""
+    pool = pool_cls()
+    worker = PrefillWorker(make_engine(tiny_model_dir, max_num_batched_tokens=32), pool, "prefill-s")
+    worker.stream_layers("on")
+    worker.start()
+    try:
+        ids, ref = prompts[0], reference[0]
+        reply = prefill(worker, ids, "streamed")
+        assert reply.first_token_id == ref[0]
+        full = len(ids) // BS
+        assert worker.counters["blocks_streamed"] == full
+        blocks = cached_blocks(worker.engine, ids)
+        if pool_cls is FakePool:
+            assert len(reply.blocks) == full
+            packed = pack_blocks(worker.engine.runner.kv_cache, blocks)
+            assert all(torch.equal(pool.blocks[loc.key], packed[i]) for i, loc in enumerate(reply.blocks))
+        else:
+            assert len(reply.blocks) == 0 and pool.puts == 0  # a miss for the decode: it recomputes
+    finally:
+        worker.stop()
