@@ -44,7 +44,7 @@ from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
-__all__ = ["PoolClient", "PoolError", "from_proto", "gather", "to_proto", "wait_for_nodes"]
+__all__ = ["PoolClient", "PoolError", "failed_future", "from_proto", "gather", "to_proto", "wait_for_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,6 @@ class PoolClient:
                 for node in nodes:  # a node gone (or restarted) from this host: drop (or remap) its slab
                     self._remap(node, members.get(node.node_id))
         return dict(self._known)
-
-    def pick_node(self) -> str:
-        return self.pick_nodes(1)[0]
 
     def pick_nodes(self, count: int | None = None) -> list[str]:
         """The nodes a put's copies go to: `count` (default: `replicas`) distinct live nodes, or all
@@ -281,7 +278,7 @@ class PoolClient:
                 copies.append(self._put_copy(request_id, keys, data, private, target, *slices))
             except PoolError as err:  # a copy fewer; the put fails only when no copy can be made
                 log.warning("copy of %d blocks of %s on %s failed: %s", len(keys), request_id, target, err)
-                copies.append(_failed(err))
+                copies.append(failed_future(err))
         return _merge_copies(copies)
 
     def _put_copy(self, request_id, keys, data, private, node_id, head_begin, head_end, lb, le):
@@ -569,7 +566,8 @@ def _reroute(rest: list[Location], failed: set[str]) -> list[Location]:
     return out
 
 
-def _failed(err: Exception) -> concurrent.futures.Future:
+def failed_future(err: Exception) -> concurrent.futures.Future:
+    """A future that failed with `err`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_exception(err)
     return future

@@ -53,6 +53,14 @@ local function store(key, entries)
   redis.call('SET', key, table.concat(entries, ';'))
   return 0
 end
+-- the copies of KEY that `drop` does not match, and whether any did
+local function without(key, drop)
+  local keep, found = {}, false
+  for _, e in ipairs(split(redis.call('GET', key))) do
+    if drop(e) then found = true else table.insert(keep, e) end
+  end
+  return keep, found
+end
 """
 
 # add copy ARGV[i] to KEYS[i], replacing any copy on the same node
@@ -61,10 +69,7 @@ _ADD_COPIES = (
     + """
 for i, key in ipairs(KEYS) do
   local node = string.match(ARGV[i], '^[^ ]+')
-  local keep = {}
-  for _, e in ipairs(split(redis.call('GET', key))) do
-    if not on_node(e, node) then table.insert(keep, e) end
-  end
+  local keep = without(key, function(e) return on_node(e, node) end)
   table.insert(keep, ARGV[i])
   store(key, keep)
 end
@@ -78,10 +83,7 @@ _COMPARE_AND_DELETE = (
     + """
 local n = 0
 for i, key in ipairs(KEYS) do
-  local keep, found = {}, false
-  for _, e in ipairs(split(redis.call('GET', key))) do
-    if e == ARGV[i] then found = true else table.insert(keep, e) end
-  end
+  local keep, found = without(key, function(e) return e == ARGV[i] end)
   if found then n = n + 1; store(key, keep) end
 end
 return n
@@ -104,10 +106,7 @@ _FORGET_NODE = (
     + """
 local n = 0
 for i, key in ipairs(KEYS) do
-  local keep, found = {}, false
-  for _, e in ipairs(split(redis.call('GET', key))) do
-    if on_node(e, ARGV[1]) then found = true else table.insert(keep, e) end
-  end
+  local keep, found = without(key, function(e) return on_node(e, ARGV[1]) end)
   if found then n = n + 1; store(key, keep) end
 end
 return n

@@ -295,8 +295,10 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         for i in itertools.count():
             try:
                 work.wait(IDLE)
-                h = header = Header.decode(bufs[i % 2])
-                self.layout.check_heads(h.head_begin, h.head_end, h.layer_begin, h.layer_end)
+                header = Header.decode(bufs[i % 2])
+                self.layout.check_heads(
+                    header.head_begin, header.head_end, header.layer_begin, header.layer_end
+                )
                 following = next_tag(tag, header.messages)
                 work = peer.group.recv([bufs[(i + 1) % 2]], 1, following)
                 if header.op == GET:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.engine.scheduler import ScheduledBatch
-from kvferry.kvpool.client import PoolClient, PoolError
+from kvferry.kvpool.client import PoolClient, PoolError, failed_future
 from kvferry.kvpool.transfer import pack_blocks
 
 log = logging.getLogger(__name__)
@@ -121,14 +121,8 @@ class LayerStreamer:
                     log.warning("streaming layer %d of %s failed: %s", layer, part.request_id, err)
                     part.failed = err
             if last:
-                outcome = _failed(part.failed) if part.failed is not None else future
+                outcome = failed_future(part.failed) if part.failed is not None else future
                 part.streamed.futures.append((part.indices, outcome))
-
-
-def _failed(err: Exception) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_exception(err)
-    return future
 
 
 def missing_on_failure(

@@ -154,9 +154,6 @@ class FakePool:
         future.set_result(out)
         return future
 
-    def pick_node(self) -> str:
-        return "fake-node"
-
     def pick_nodes(self) -> list[str]:
         return ["fake-node"]
 
