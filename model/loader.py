@@ -14,7 +14,7 @@ from torch import nn
 
 from kvferry.model.config import ModelConfig, ModelConfigError
 from kvferry.model.layers import RotaryEmbedding
-from kvferry.model.parallel import Parallel, ParallelConfigError, TPShard, check_ep, check_tp
+from kvferry.model.parallel import Parallel, ParallelConfigError, TPShard, check_ep, check_tp, expert_range
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ class _Split:
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         leaf = name.split(".")[-1]
         if self.ep.size > 1 and leaf in ("w13", "w2") and t.dim() == 3:  # experts: this rank's range
-            per = t.shape[0] // self.ep.size
-            return t[self.ep.rank * per : (self.ep.rank + 1) * per]
+            experts = expert_range(t.shape[0], self.ep.size, self.ep.rank)
+            return t[experts.start : experts.stop]
         if self.tp_size == 1:
             return t
         s, cfg = self.shard, self.cfg

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.model.layers import linear
-from kvferry.model.parallel import Comm
+from kvferry.model.parallel import Comm, expert_owner, expert_range
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -143,12 +143,15 @@ def dispatch_combine(
     w13: torch.Tensor,
     w2: torch.Tensor,
     comm: Comm,
+    owner: torch.Tensor,
+    first_expert: int,
     load: ExpertLoad | None = None,
 ) -> torch.Tensor:
     """Expert-parallel MoE: send each token to the ranks owning its chosen experts, combine the results.
 
     x: [T, H] this rank's tokens (T may be 0: the rank still takes part); ids, weights: [T, k] the
-    router's choices; w13/w2: this rank's experts, global ids rank*E_local.. (rank+1)*E_local-1.
+    router's choices; w13/w2: this rank's experts, global ids first_expert .. first_expert+E_local-1;
+    owner: [E] the rank holding each expert (`parallel.expert_owner`: ranks may hold different counts).
     A token goes once to each rank that owns at least one of its k experts, carrying all k ids and
     weights; that rank applies its own experts (weighted) and sends back one partial sum, which the
     source adds up. Three all_to_all per layer: counts, token rows with their (ids, weights) as extra
@@ -157,7 +160,7 @@ def dispatch_combine(
     num_tokens, top_k = ids.shape
     ranks, num_local = comm.size, w13.shape[0]
     needs = torch.zeros(num_tokens, ranks, dtype=torch.bool, device=x.device)
-    needs.scatter_(1, ids // num_local, True)
+    needs.scatter_(1, owner[ids], True)
     pairs = needs.t().nonzero()  # (rank, token), grouped by destination rank
     token = pairs[:, 1]
     send_counts = needs.sum(0)
@@ -169,7 +172,7 @@ def dispatch_combine(
     num_recv, hidden = sum(recv_splits), x.shape[1]
     # the ids and weights travel as extra columns of the rows when x's dtype holds the ids exactly
     # (float32, or experts <= 256 in 16-bit floats): one all_to_all for both; else a separate one
-    inline = INLINE_METADATA and ranks * num_local <= _EXACT_INTS.get(x.dtype, 0)
+    inline = INLINE_METADATA and owner.numel() <= _EXACT_INTS.get(x.dtype, 0)
     if inline:
         payload = torch.cat((x[token], ids[token].to(x.dtype), weights[token]), dim=1)
         recv = x.new_empty(num_recv, hidden + 2 * top_k)
@@ -186,7 +189,7 @@ def dispatch_combine(
         recv_meta = meta.new_empty(num_recv, 2 * top_k)
         comm.all_to_all(recv_meta, meta, recv_splits, send_splits)
         recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
-    first = comm.rank * num_local
+    first = first_expert
     started = time.perf_counter()
     partial = experts_forward(recv_x, recv_ids, recv_weights, w13, w2, first)
     if load is not None:
@@ -203,7 +206,8 @@ _EXACT_INTS = {torch.float32: 2**24, torch.float16: 2048, torch.bfloat16: 256}  
 
 
 class ExpertParallelMoe(nn.Module):
-    """The MoE block with experts partitioned across an EP group (router and top-k as SparseMoeBlock)."""
+    """The MoE block with experts partitioned across an EP group (router and top-k as SparseMoeBlock):
+    rank r holds `parallel.expert_range(E, M, r)`, the first E mod M ranks one expert more."""
 
     PACKED = ("w13", "w2")
 
@@ -211,16 +215,22 @@ class ExpertParallelMoe(nn.Module):
         self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool, comm: Comm
     ):
         super().__init__()
-        num_local = num_experts // comm.size
+        experts = expert_range(num_experts, comm.size, comm.rank)
+        num_local = len(experts)
         self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(num_local, hidden, 2 * intermediate), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, intermediate, hidden), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
         self.comm = comm
-        self.first_expert = comm.rank * num_local
+        self.first_expert = experts.start
+        self.owner = expert_owner(num_experts, comm.size)  # global expert -> rank (moved to x's device)
         self.load = ExpertLoad(num_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, self.renormalize)
-        return dispatch_combine(x, ids, weights, self.w13, self.w2, self.comm, self.load)
+        if self.owner.device != x.device:
+            self.owner = self.owner.to(x.device)
+        return dispatch_combine(
+            x, ids, weights, self.w13, self.w2, self.comm, self.owner, self.first_expert, self.load
+        )

@@ -208,12 +208,34 @@ def check_tp(cfg, size: int) -> None:
 
 
 def check_ep(cfg, size: int) -> None:
+    """Raise ParallelConfigError unless `size` ranks can each hold at least one expert."""
     if size < 1:
         raise ParallelConfigError(f"expert_parallel_size must be >= 1, got {size}")
-    if size > 1 and (cfg.num_experts == 0 or cfg.num_experts % size):
+    if size > 1 and cfg.num_experts == 0:
+        raise ParallelConfigError(f"expert_parallel_size={size} needs a MoE model (num_experts=0)")
+    if size > max(cfg.num_experts, 1):
         raise ParallelConfigError(
-            f"expert_parallel_size={size} does not divide num_experts={cfg.num_experts}"
+            f"expert_parallel_size={size} exceeds num_experts={cfg.num_experts} (every rank holds an expert)"
         )
+
+
+def expert_range(num_experts: int, size: int, rank: int) -> range:
+    """The global expert ids rank `rank` of an expert-parallel group of `size` holds: a contiguous range,
+    E // size experts each, the first E % size ranks one more (5 experts on 2 ranks: 0-2 | 3-4)."""
+    base, extra = divmod(num_experts, size)
+    first = rank * base + min(rank, extra)
+    return range(first, first + base + (1 if rank < extra else 0))
+
+
+def expert_owner(num_experts: int, size: int) -> torch.Tensor:
+    """[num_experts] int64: the rank holding each expert (`expert_range`'s map)."""
+    owner = torch.empty(
+        num_experts, dtype=torch.long, device="cpu"
+    )  # not the meta device a model is built on
+    for rank in range(size):
+        experts = expert_range(num_experts, size, rank)
+        owner[experts.start : experts.stop] = rank
+    return owner
 
 
 def _convert(value, fn):

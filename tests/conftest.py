@@ -58,6 +58,26 @@ def second_model_dir(kvferry_cache) -> Path:
     return create_from_spec(SECOND_SPEC, out, seed=7, max_shard_bytes=1_000_000)
 
 
+def _tiny_with_experts(kvferry_cache, num_experts: int) -> Path:
+    from kvferry.model.create import load_spec
+
+    out = kvferry_cache / "models" / f"tiny-{num_experts}-experts"
+    spec = dict(load_spec("tiny"), num_experts=num_experts, torch_dtype="float32")
+    return create_from_spec(spec, out, seed=num_experts)
+
+
+@pytest.fixture(scope="session")
+def five_expert_model_dir(kvferry_cache) -> Path:
+    """tiny with 5 experts: expert parallelism of 2 holds 3 | 2 (an uneven map)."""
+    return _tiny_with_experts(kvferry_cache, 5)
+
+
+@pytest.fixture(scope="session")
+def eight_expert_model_dir(kvferry_cache) -> Path:
+    """tiny with 8 experts: expert parallelism of 3 holds 3 | 3 | 2."""
+    return _tiny_with_experts(kvferry_cache, 8)
+
+
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """The `transformers` reference: greedy continuations (no EOS stop) of each prompt, float32."""
     import torch

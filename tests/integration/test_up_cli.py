@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from kvferry import rpc
+from kvferry.auth import SECRET_ENV
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
+from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -212,3 +215,53 @@ def _proc(pid: int, what: str) -> bytes:
         return Path(f"/proc/{pid}/{what}").read_bytes()
     except OSError:
         return b""
+
+
+def test_up_serves_a_five_expert_checkpoint_with_expert_parallelism_of_two(
+    five_expert_model_dir, tmp_path, hf_greedy, monkeypatch
+):
+    """`kvferry up --decode-expert-parallel-size 2` on 5 experts: ranks hold 3 | 2 (the uneven map) and
+    greedy output equals transformers' token for token; the group reports its load per global expert."""
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvferry.cli", "up", "--model", str(five_expert_model_dir)),
+            *("--dtype", "float32", "--decode-expert-parallel-size", "2"),
+            *("--port", "0", "--no-http", "--log-dir", str(tmp_path / "logs")),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        ready = proc.stdout.readline()
+        assert "ready" in ready, f"kvferry up ended: {proc.wait(60)}"
+        addr = ready.split("router at ")[1].split()[0]
+        prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(n)] for i, n in enumerate((5, 19, 33, 40))]
+        reference = hf_greedy(five_expert_model_dir, prompts, 12)
+        with Client(addr) as client, ThreadPoolExecutor(4) as pool:
+            requests = [
+                build_request(prompt_token_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+                for ids in prompts
+            ]
+            got = list(pool.map(lambda r: client.generate(r, 120).token_ids, requests))
+        assert got == reference
+        redis_url = (tmp_path / "logs" / "redis-url").read_text().strip()
+        ranks = MetadataStore(redis_url, "default").members("decode")
+        assert sorted(ranks) == ["decode-0.r0", "decode-0.r1"]
+        # the group's expert load, as any rank reports it (internal calls carry up's cluster secret)
+        monkeypatch.setenv(SECRET_ENV, (tmp_path / "logs" / "cluster-secret").read_text().strip())
+        with rpc.channel(ranks["decode-0.r1"]["addr"]) as channel:
+            stats = worker_pb2_grpc.DecodeWorkerStub(channel).GetStats(
+                worker_pb2.WorkerStatsRequest(), timeout=10
+            )
+        load = stats.expert_load
+        assert stats.expert_parallel_size == 2 and list(load.rank_experts) == [3, 2]
+        assert len(load.layers) == 2 and all(len(layer.tokens) == 5 for layer in load.layers)
+        assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers) > 0
+        assert all(t > 0 for t in load.rank_tokens) and 0 < load.expert_balance <= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

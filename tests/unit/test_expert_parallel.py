@@ -9,25 +9,36 @@ import pytest
 import torch
 
 from kvferry.model.moe import dispatch_combine, experts_forward
-from kvferry.model.parallel import Comm, Parallel, TPShard, init_group, spawn_ranks
+from kvferry.model.parallel import (
+    Comm,
+    Parallel,
+    TPShard,
+    expert_owner,
+    expert_range,
+    init_group,
+    spawn_ranks,
+)
 
 pytestmark = pytest.mark.slow  # multi-process
 
 H, I, E, K = 16, 8, 4, 2
 
 
-def _weights():
+def _weights(num_experts: int = E):
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(E, H, 2 * I, generator=gen) * 0.3, torch.randn(E, I, H, generator=gen) * 0.3
+    w13 = torch.randn(num_experts, H, 2 * I, generator=gen) * 0.3
+    return w13, torch.randn(num_experts, I, H, generator=gen) * 0.3
 
 
-def _case(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, ids, weights) of one rank's tokens in a named routing case (2 ranks, experts 0-1 | 2-3)."""
+def _case(name: str, rank: int, num_experts: int = E) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, ids, weights) of one rank's tokens in a named routing case (2 ranks, experts 0-1 | 2-3; the
+    "mixed" case takes any number of experts and ranks)."""
     gen = torch.Generator().manual_seed(10 * CASES.index(name) + rank)
     tokens = {"mixed": 7 + 3 * rank, "rank1_empty": 5 if rank == 0 else 0}.get(name, 6)
     x = torch.randn(tokens, H, generator=gen)
     if name == "mixed":  # any experts: tokens go to both ranks, some to both at once
-        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).view(tokens, K)
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:K] for _ in range(tokens)])
+        ids = ids.view(tokens, K)
     elif name in ("to_rank0", "rank1_empty"):  # rank 1 receives nothing (and in rank1_empty sends nothing)
         ids = torch.tensor([[0, 1]] * tokens, dtype=torch.long).view(tokens, K)
     else:  # "single_rank": each token's top-k both on one rank, alternating ranks
@@ -48,15 +59,56 @@ def _dispatch_rank(store, rank: int, size: int, inline: bool):
     torch.set_num_threads(1)
     comm = init_group(store, "dispatch", rank, size, torch.device("cpu"))
     w13, w2 = _weights()
-    per = E // size
+    mine = expert_range(E, size, rank)
     results = {}
     for name in CASES:
         x, ids, weights = _case(name, rank)
         out = dispatch_combine(
-            x, ids, weights, w13[rank * per : (rank + 1) * per], w2[rank * per : (rank + 1) * per], comm
+            x,
+            ids,
+            weights,
+            w13[mine.start : mine.stop],
+            w2[mine.start : mine.stop],
+            comm,
+            expert_owner(E, size),
+            mine.start,
         )
         results[name] = out
     return results
+
+
+def _uneven_rank(store, rank: int, size: int, num_experts: int):
+    torch.set_num_threads(1)
+    comm = init_group(store, "uneven", rank, size, torch.device("cpu"))
+    w13, w2 = _weights(num_experts)
+    mine = expert_range(num_experts, size, rank)
+    x, ids, weights = _case("mixed", rank, num_experts)
+    owner = expert_owner(num_experts, size)
+    return dispatch_combine(
+        x, ids, weights, w13[mine.start : mine.stop], w2[mine.start : mine.stop], comm, owner, mine.start
+    )
+
+
+def test_uneven_expert_maps():
+    """The first E mod M ranks hold one expert more; every expert has exactly one owner."""
+    assert [list(expert_range(5, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(expert_range(8, 3, r)) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [len(expert_range(12, 5, r)) for r in range(5)] == [3, 3, 2, 2, 2]
+    assert expert_owner(8, 3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert [len(expert_range(6, 6, r)) for r in range(6)] == [1] * 6
+    for e, m in ((5, 2), (8, 3), (7, 4), (64, 12)):
+        covered = [x for r in range(m) for x in expert_range(e, m, r)]
+        assert covered == list(range(e))
+
+
+@pytest.mark.parametrize(("num_experts", "size"), [(5, 2), (8, 3)])
+def test_dispatch_combine_over_an_uneven_map_matches_one_process(num_experts, size):
+    w13, w2 = _weights(num_experts)
+    ranks = spawn_ranks(_uneven_rank, size, (num_experts,))
+    for rank, got in enumerate(ranks):
+        x, ids, weights = _case("mixed", rank, num_experts)
+        expected = experts_forward(x, ids, weights, w13, w2)
+        assert torch.allclose(got, expected, atol=1e-5), (rank, (got - expected).abs().max())
 
 
 @pytest.mark.parametrize("inline", [True, False])
@@ -93,7 +145,13 @@ def _model_rank(store, rank: int, size: int, model_dir: str, kind: str):
 
 @pytest.mark.parametrize(
     ("kind", "size", "checkpoint"),
-    [("tp", 2, "second_model_dir"), ("tp", 4, "tiny_model_dir"), ("ep", 2, "second_model_dir")],
+    [
+        ("tp", 2, "second_model_dir"),
+        ("tp", 4, "tiny_model_dir"),
+        ("ep", 2, "second_model_dir"),
+        ("ep", 2, "five_expert_model_dir"),
+        ("ep", 3, "eight_expert_model_dir"),
+    ],
 )
 def test_sharded_model_matches_one_process(request, kind, size, checkpoint):
     """TP 4 over tiny's 2 KV heads replicates each on two ranks; every rank's cache holds its slice.
