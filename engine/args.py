@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kernels",
         default=d.kernels,
         choices=KERNEL_CHOICES,
-        help="auto: the C++ CPU kernels for float32 on CPU (built on first use); torch: plain torch ops",
+        help="auto: Triton kernels on CUDA, the C++ CPU kernels for float32 on CPU (built on first use); "
+        "torch: plain torch ops; triton: the Triton kernels (on a CPU only under TRITON_INTERPRET=1)",
     )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)

@@ -9,6 +9,7 @@ pass and samples, and the update appends tokens, applies stop rules and frees fi
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,13 +28,13 @@ from kvferry.engine.request import (
     validate_request,
 )
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.kernels.select import KERNEL_CHOICES, KernelsUnavailable, choose
 from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import (
     ModelConfig,
     ModelConfigError,
     generation_eos_ids,
     resolve_dtype,
-    runs_cpu_kernels,
 )
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
@@ -41,7 +42,7 @@ from kvferry.model.parallel import Parallel
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
 
-KERNEL_CHOICES = ("auto", "torch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # a prefill group's degree (ranks are separate processes)
     expert_parallel_size: int = 1  # a decode group's degree
-    kernels: str = "auto"  # auto: the C++ CPU kernels for float32 on CPU where they build; torch: plain ops
+    kernels: str = "auto"  # auto | torch | triton: `kernels.select` (Triton on CUDA, C++ on CPU, or torch)
     # a decode worker's engine loop steps at most once per this interval while 4 or more requests run
     # (engine.loop.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
     decode_step_interval_ms: float | None = None
@@ -125,7 +126,16 @@ class LLMEngine:
         self.model = load_model(
             self.model_dir, self.dtype, self.device, max_positions=self.max_model_len, parallel=parallel
         )
-        self.kernels = runs_cpu_kernels(self.dtype, self.device, cfg.kernels) and self.model.pack_weights()
+        try:  # the one place the kernels are chosen (kernels.select); workers report it in WorkerInfo
+            self.kernel_backend = choose(self.device, self.dtype, cfg.kernels)
+        except KernelsUnavailable as err:
+            raise EngineConfigError(str(err)) from err
+        if self.kernel_backend == "cpu" and not self.model.pack_weights():
+            self.kernel_backend = "torch"  # the C++ kernels did not build here
+        elif self.kernel_backend == "triton":
+            self.model.use_triton()
+        self.kernels = self.kernel_backend == "cpu"
+        log.info("kernels: %s (%s, %s)", self.kernel_backend, self.device, self.dtype)
         self.kv_dtype = self.model.embed.dtype  # == kv_cache_dtype(...): float32 under the kernels
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(

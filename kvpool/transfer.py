@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvferry.kernels.select import triton_pack_ops
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -187,7 +189,11 @@ def pack_blocks(
     head_end: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged cache [L, 2, H, num_blocks, bs, D] -> contiguous [n, L, 2, heads, bs, D] (one copy per run)."""
+    """Paged cache [L, 2, H, num_blocks, bs, D] -> contiguous [n, L, 2, heads, bs, D] (one copy per run;
+    one Triton launch for a cache on CUDA, `kernels.select.triton_pack_ops`)."""
+    triton_ops = triton_pack_ops(cache.device)
+    if triton_ops is not None:
+        return triton_ops[0](cache, block_ids, head_begin, head_end, out)
     head_end = cache.shape[2] if head_end is None else head_end
     heads = cache[:, :, head_begin:head_end]
     if out is None:
@@ -202,7 +208,11 @@ def pack_blocks(
 
 
 def unpack_blocks(cache: torch.Tensor, block_ids: list[int], data: torch.Tensor, head_begin: int = 0) -> None:
-    """Write [n, L, 2, heads, bs, D] into the paged cache's blocks `block_ids` (one copy per run)."""
+    """Write [n, L, 2, heads, bs, D] into the paged cache's blocks `block_ids` (one copy per run; the
+    Triton kernel on CUDA)."""
+    triton_ops = triton_pack_ops(cache.device)
+    if triton_ops is not None:
+        return triton_ops[1](cache, block_ids, data, head_begin)
     heads = cache[:, :, head_begin : head_begin + data.shape[3]]
     for pos, first, length in runs(block_ids):
         heads[:, :, :, first : first + length].copy_(data[pos : pos + length].permute(1, 2, 3, 0, 4, 5))

@@ -5,10 +5,11 @@ out decodes first (one token each), then prefill chunks back to back. Every toke
 its slot (block id, offset in block) before attention reads the cache.
 
 Cache layout (per layer, for K and for V alike): [num_kv_heads, num_blocks, block_size, head_dim].
-Decodes read their blocks through a block table (`kernels/`: a C++ CPU kernel, or the torch reference
-that gathers them). Prefill chunks read theirs in place with the C++ prefill kernel where it builds (one
-call per chunk, a cached prefix included, causal by position); the torch path runs SDPA over the chunk's
-own K/V, or over the gathered cached prefix with a causal mask.
+Decodes read their blocks through a block table (`kernels/`: the Triton kernel on CUDA, a C++ CPU
+kernel, or the torch reference that gathers them). Prefill chunks read theirs in place with the Triton
+prefill kernel (every chunk of the step in one launch) or the C++ one where it builds (one call per
+chunk, a cached prefix included, causal by position); the torch path runs SDPA over the chunk's own
+K/V, or over the gathered cached prefix with a causal mask. Which one: `kernels.select`.
 """
 
 from __future__ import annotations
@@ -80,12 +81,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kernels: bool = False,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D].
 
-    `kernels`: decodes and prefill chunks run the C++ CPU kernels (float32), else the torch reference.
+    `backend` (`kernels.select.choose`): "triton" (CUDA, or the interpreter), "cpu" (the C++ kernels,
+    float32) or "torch" (the references).
     """
+    if backend == "triton":
+        return _triton_attention(q, k_cache, v_cache, meta, scale)
+    kernels = backend == "cpu"
     out = torch.empty_like(q)
     if meta.num_decodes:
         nd = meta.num_decodes
@@ -102,6 +107,31 @@ def paged_attention(
             out[rows] = attn.view_as(q[rows])
         else:
             out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's decodes in one Triton launch, its prefill chunks (block tables padded) in another."""
+    from kvferry.kernels import triton_attention
+
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        nd = meta.num_decodes
+        out[:nd] = triton_attention.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    if meta.prefills:
+        width = max(chunk.block_table.numel() for chunk in meta.prefills)
+        tables = torch.zeros(len(meta.prefills), width, dtype=torch.long, device=q.device)
+        for row, chunk in zip(tables, meta.prefills, strict=True):
+            row[: chunk.block_table.numel()] = chunk.block_table
+        spans = [(c.q_start, c.q_len, c.context_len) for c in meta.prefills]
+        starts, lens, contexts = torch.tensor(spans, dtype=torch.long, device=q.device).unbind(1)
+        attn = triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, contexts, scale
+        )
+        first = meta.prefills[0].q_start  # chunks lie back to back after the decodes
+        out[first:] = attn[first:]
     return out
 
 

@@ -140,11 +140,9 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
 def runs_cpu_kernels(dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> bool:
     """Whether a model of `dtype` on `device` is served by the C++ CPU kernels (`--kernels auto`): float32
     where they build, bfloat16 where they also have the bf16 dot product (AVX512-BF16)."""
-    if kernels != "auto" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    from kvferry.kernels import cpu
+    from kvferry.kernels.select import choose
 
-    return cpu.load() and (dtype == torch.float32 or cpu.bf16_dot())
+    return kernels == "auto" and choose(device, dtype, kernels) == "cpu"
 
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> torch.dtype:

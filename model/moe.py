@@ -114,10 +114,26 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.triton = False  # the Triton kernels: routing, then the fused grouped GEMMs (`use_triton`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kvferry.kernels import triton_moe
+
+            weights, ids = triton_route(x, self.router, self.top_k, self.renormalize)
+            return triton_moe.fused_moe(x, ids, weights, self.w13, self.w2)
         weights, ids = route(x, self.router, self.top_k, self.renormalize)
         return experts_forward(x, ids, weights, self.w13, self.w2)
+
+
+def triton_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with the Triton softmax + top-k kernel over the router logits."""
+    from kvferry.kernels import triton_moe
+
+    weights, ids = triton_moe.route_topk(x @ router, top_k, renormalize)
+    return weights.to(x.dtype), ids
 
 
 class ExpertLoad:
@@ -146,6 +162,7 @@ def dispatch_combine(
     owner: torch.Tensor,
     first_expert: int,
     load: ExpertLoad | None = None,
+    triton: bool = False,
 ) -> torch.Tensor:
     """Expert-parallel MoE: send each token to the ranks owning its chosen experts, combine the results.
 
@@ -156,14 +173,19 @@ def dispatch_combine(
     weights; that rank applies its own experts (weighted) and sends back one partial sum, which the
     source adds up. Three all_to_all per layer: counts, token rows with their (ids, weights) as extra
     columns, results (four when the activation dtype cannot hold the expert ids exactly).
+    `triton`: the dispatch layout and the local experts run the Triton kernels.
     """
     num_tokens, top_k = ids.shape
     ranks, num_local = comm.size, w13.shape[0]
-    needs = torch.zeros(num_tokens, ranks, dtype=torch.bool, device=x.device)
-    needs.scatter_(1, owner[ids], True)
-    pairs = needs.t().nonzero()  # (rank, token), grouped by destination rank
-    token = pairs[:, 1]
-    send_counts = needs.sum(0)
+    if triton:
+        from kvferry.kernels import triton_moe
+
+        token, send_counts = triton_moe.ep_dispatch_layout(ids, owner, ranks)
+    else:
+        needs = torch.zeros(num_tokens, ranks, dtype=torch.bool, device=x.device)
+        needs.scatter_(1, owner[ids], True)
+        token = needs.t().nonzero()[:, 1]  # the (rank, token) pairs' tokens, grouped by destination rank
+        send_counts = needs.sum(0)
     recv_counts = torch.empty_like(send_counts)
     ones = [1] * ranks
     comm.all_to_all(recv_counts, send_counts, ones, ones)
@@ -191,7 +213,12 @@ def dispatch_combine(
         recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
     first = first_expert
     started = time.perf_counter()
-    partial = experts_forward(recv_x, recv_ids, recv_weights, w13, w2, first)
+    if triton:
+        from kvferry.kernels import triton_moe
+
+        partial = triton_moe.fused_moe(recv_x, recv_ids, recv_weights, w13, w2, first)
+    else:
+        partial = experts_forward(recv_x, recv_ids, recv_weights, w13, w2, first)
     if load is not None:
         local = (recv_ids - first).flatten()
         mine = (local >= 0) & (local < num_local)
@@ -226,11 +253,22 @@ class ExpertParallelMoe(nn.Module):
         self.first_expert = experts.start
         self.owner = expert_owner(num_experts, comm.size)  # global expert -> rank (moved to x's device)
         self.load = ExpertLoad(num_local)
+        self.triton = False  # the Triton kernels (`use_triton`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(x, self.router, self.top_k, self.renormalize)
+        routing = triton_route if self.triton else route
+        weights, ids = routing(x, self.router, self.top_k, self.renormalize)
         if self.owner.device != x.device:
             self.owner = self.owner.to(x.device)
         return dispatch_combine(
-            x, ids, weights, self.w13, self.w2, self.comm, self.owner, self.first_expert, self.load
+            x,
+            ids,
+            weights,
+            self.w13,
+            self.w2,
+            self.comm,
+            self.owner,
+            self.first_expert,
+            self.load,
+            self.triton,
         )

@@ -32,7 +32,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
-        self.kernels = False
+        self.kernels = False  # the C++ CPU kernels (`pack_weights`)
+        self.triton = False  # the Triton kernels (`use_triton`)
 
     def forward(
         self,
@@ -56,7 +57,8 @@ class Attention(nn.Module):
             qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
             write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.kernels)
+        backend = "cpu" if self.kernels else "triton" if self.triton else "torch"
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend)
         return linear(out.reshape(t, hq * d), self.o)
 
 
@@ -212,6 +214,13 @@ class Qwen3MoeModel(nn.Module):
                 module.kernels = True
         self.decode_weights = self._collect_decode_weights()
         return True
+
+    def use_triton(self) -> None:
+        """Switch attention and the MoE layers to the Triton kernels (`kernels.select`: on CUDA, or on
+        CPU tensors under TRITON_INTERPRET=1). The weights stay as they are."""
+        for module in self.modules():
+            if hasattr(module, "triton"):
+                module.triton = True
 
     @property
     def num_local_kv_heads(self) -> int:

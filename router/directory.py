@@ -277,6 +277,16 @@ class Directory:
         """Members that take requests (a draining one does not)."""
         return sum(1 for m in self.members[role].values() if not m.draining)
 
+    def kernels(self) -> list[str]:
+        """The kernels the members run, one "role: backend" per distinct pair (WorkerInfo.kernels)."""
+        found = {
+            f"{role}: {m.info.kernels}"
+            for role, ms in self.members.items()
+            for m in ms.values()
+            if m.info is not None and m.info.kernels
+        }
+        return sorted(found)
+
     @property
     def ready(self) -> bool:
         if self.colocated:

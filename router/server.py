@@ -611,6 +611,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             num_prefill_workers=self.directory.count("prefill"),
             num_decode_workers=self.directory.count("decode"),
             num_pool_nodes=len(self.directory.pool_nodes),
+            kernels=self.directory.kernels(),
         )
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvferry.model.create import create_from_spec, create_model
+
+if not torch.cuda.is_available():
+    # the Triton kernels' tests run them on CPU tensors through Triton's interpreter; it must be on
+    # before their @triton.jit decorators run (at import), so for the whole session. Nothing else reads
+    # it: `--kernels auto` never picks Triton on a CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SECOND_SPEC = {
     # a different shape from tiny: 3 layers, 6 experts top-3 without renormalisation, a dense layer,

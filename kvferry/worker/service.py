@@ -167,4 +167,5 @@ def worker_info(engine: LLMEngine, role: str, worker_id: str) -> worker_pb2.Work
         max_model_len=engine.max_model_len,
         vocab_size=engine.model.cfg.vocab_size,
         eos_token_ids=list(engine.eos_ids),
+        kernels=engine.kernel_backend,
     )

@@ -208,10 +208,15 @@ def test_abort_unknown_and_duplicate_ids(client, members):
 def test_model_info_and_health(client, cluster, tiny_model_dir):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvferry.kernels import cpu
+
     info = client.model_info()
     assert info.model == tiny_model_dir.name  # the cluster was given the checkpoint's path: never shown
     assert (info.num_prefill_workers, info.num_decode_workers, info.num_pool_nodes) == (2, 1, 1)
     assert info.block_size == BLOCK and info.max_model_len == 1024 and info.vocab_size == 8192
+    # the kernels each role runs (kernels.select): the C++ CPU kernels here, where they build
+    backend = "cpu" if cpu.load() else "torch"
+    assert list(info.kernels) == [f"decode: {backend}", f"prefill: {backend}"]
     health = health_pb2_grpc.HealthStub(client.channel)
     assert (
         health.Check(health_pb2.HealthCheckRequest(), timeout=5).status

@@ -140,3 +140,19 @@ def test_cpu_kernels_and_torch_ops_both_match(checkpoint, prompts, reference):
         engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7)
         assert engine.kernels == (kernels == "auto" and cpu.load())
         assert run_all(engine, prompts, stagger=3) == reference
+
+
+@pytest.mark.slow  # the interpreter: about 20 s per checkpoint
+def test_triton_kernels_match_transformers(checkpoint, prompts, reference):
+    """The engine on the Triton kernels (`--kernels triton`: attention, routing, fused MoE) gives the
+    reference's greedy tokens, chunked and staggered (decodes and prefill chunks in one step), then from
+    the prefix cache (a cached prefix + new tokens). On a CPU they run under TRITON_INTERPRET=1
+    (tests/conftest.py sets it): the same kernels CUDA compiles."""
+    pytest.importorskip("triton")
+    engine = make_engine(checkpoint, kernels="triton", max_num_batched_tokens=24)
+    assert engine.kernel_backend == "triton" and not engine.kernels
+    picked = [0, 1, 3]  # 53, 17 and 64 tokens
+    assert run_all(engine, [prompts[i] for i in picked], stagger=3) == [reference[i] for i in picked]
+    before = engine.block_manager.hits
+    assert run_all(engine, prompts[6:]) == reference[6:]  # both share prompt 0's first 3 blocks
+    assert engine.block_manager.hits - before == 2 * 48

@@ -77,16 +77,15 @@ def _dispatch_rank(store, rank: int, size: int, inline: bool):
     return results
 
 
-def _uneven_rank(store, rank: int, size: int, num_experts: int):
+def _uneven_rank(store, rank: int, size: int, num_experts: int, triton: bool):
     torch.set_num_threads(1)
     comm = init_group(store, "uneven", rank, size, torch.device("cpu"))
     w13, w2 = _weights(num_experts)
     mine = expert_range(num_experts, size, rank)
     x, ids, weights = _case("mixed", rank, num_experts)
     owner = expert_owner(num_experts, size)
-    return dispatch_combine(
-        x, ids, weights, w13[mine.start : mine.stop], w2[mine.start : mine.stop], comm, owner, mine.start
-    )
+    local = (w13[mine.start : mine.stop], w2[mine.start : mine.stop])
+    return dispatch_combine(x, ids, weights, *local, comm, owner, mine.start, triton=triton)
 
 
 def test_uneven_expert_maps():
@@ -101,10 +100,16 @@ def test_uneven_expert_maps():
         assert covered == list(range(e))
 
 
-@pytest.mark.parametrize(("num_experts", "size"), [(5, 2), (8, 3)])
-def test_dispatch_combine_over_an_uneven_map_matches_one_process(num_experts, size):
+@pytest.mark.parametrize(
+    ("num_experts", "size", "triton"), [(5, 2, False), (8, 3, False), (5, 2, True), (8, 3, True)]
+)
+def test_dispatch_combine_over_an_uneven_map_matches_one_process(num_experts, size, triton):
+    """triton: the dispatch layout and the local experts on the Triton kernels (the interpreter on a
+    CPU: the ranks inherit tests/conftest.py's TRITON_INTERPRET=1)."""
+    if triton:
+        pytest.importorskip("triton")
     w13, w2 = _weights(num_experts)
-    ranks = spawn_ranks(_uneven_rank, size, (num_experts,))
+    ranks = spawn_ranks(_uneven_rank, size, (num_experts, triton))
     for rank, got in enumerate(ranks):
         x, ids, weights = _case("mixed", rank, num_experts)
         expected = experts_forward(x, ids, weights, w13, w2)

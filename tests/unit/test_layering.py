@@ -32,7 +32,7 @@ ALLOWED = {
     "kernels": set(),
     "model": {"kernels"},
     "engine": {"model", "kernels", "kvferry.kvpool.keys"},  # block keys: the prefix cache's hashes
-    "kvpool": set(),
+    "kvpool": {"kernels"},  # the Triton block pack/unpack for a cache on CUDA
     "worker": {"engine", "model", "kvpool"},
     "prefill_worker": {"worker", "engine", "model", "kvpool", "kvferry.convert"},
     "decode_worker": {"worker", "engine", "model", "kvpool", "kvferry.convert"},
