@@ -190,9 +190,10 @@ def pack_blocks(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged cache [L, 2, H, num_blocks, bs, D] -> contiguous [n, L, 2, heads, bs, D] (one copy per run;
-    one Triton launch for a cache on CUDA, `kernels.select.triton_pack_ops`)."""
+    one Triton launch for a cache on CUDA packing on the GPU, `kernels.select.triton_pack_ops`; into a
+    host buffer, the copies do the device-to-host move)."""
     triton_ops = triton_pack_ops(cache.device)
-    if triton_ops is not None:
+    if triton_ops is not None and (out is None or out.device == cache.device):
         return triton_ops[0](cache, block_ids, head_begin, head_end, out)
     head_end = cache.shape[2] if head_end is None else head_end
     heads = cache[:, :, head_begin:head_end]
@@ -209,9 +210,9 @@ def pack_blocks(
 
 def unpack_blocks(cache: torch.Tensor, block_ids: list[int], data: torch.Tensor, head_begin: int = 0) -> None:
     """Write [n, L, 2, heads, bs, D] into the paged cache's blocks `block_ids` (one copy per run; the
-    Triton kernel on CUDA)."""
+    Triton kernel when both are on the GPU; from a host buffer, the copies do the host-to-device move)."""
     triton_ops = triton_pack_ops(cache.device)
-    if triton_ops is not None:
+    if triton_ops is not None and data.device == cache.device:
         return triton_ops[1](cache, block_ids, data, head_begin)
     heads = cache[:, :, head_begin : head_begin + data.shape[3]]
     for pos, first, length in runs(block_ids):
