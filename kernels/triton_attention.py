@@ -51,6 +51,29 @@ def _softmax_tile(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(
+    k_base, v_base, table_ptr, stride_tw, pos, valid, d, d_mask,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """K and V rows [N, D] of key positions `pos` (valid ones; the rest 0), each read through the block
+    table row at `table_ptr`: one block id per position, so a tile may span several cache blocks."""
+    block = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tw, mask=valid, other=0)
+    slot = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(
+        k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     qk_scale,
@@ -84,21 +107,12 @@ def _decode_kernel(
     for start in range(0, ctx, TILE_N):
         pos = start + n
         valid = pos < ctx
-        block = tl.load(tables_ptr + seq * stride_tb + (pos // BLOCK_SIZE) * stride_tw, mask=valid, other=0)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
-        )
+        k, v = _kv_tile(
+            k_base, v_base, tables_ptr + seq * stride_tb, stride_tw, pos, valid, d, d_mask,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_SIZE,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        v = tl.load(
-            v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
-        )
         m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc, PRECISION)
     out = acc / l_i[:, None]
     tl.store(
@@ -125,13 +139,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [Hkv, num_blocks, bs, D]; block_tables: [B, W] int64; context_lens: [B]
-    (each >= 1). Returns [B, Hq, D] in q's dtype, the same contract as
-    `kernels.paged_attention.paged_decode_attention_reference`."""
+    (each >= 1). Returns [B, Hq, D] in q's dtype (written into `out` when given: any strides), the same
+    contract as `kernels.paged_attention.paged_decode_attention_reference`."""
     group, d, block_size = _check_cache(q, k_cache, v_cache)
     b = q.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
     _decode_kernel[(b, k_cache.shape[0])](
@@ -188,23 +203,14 @@ def _prefill_kernel(
     for start in range(0, end, TILE_N):
         pos = start + n
         valid = pos < end
-        block = tl.load(tables_ptr + chunk * stride_tc + (pos // BLOCK_SIZE) * stride_tw, mask=valid, other=0)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
-        )
+        k, v = _kv_tile(
+            k_base, v_base, tables_ptr + chunk * stride_tc, stride_tw, pos, valid, d, d_mask,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_SIZE,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         # every row sees key 0, so the running max is finite after the first tile
         causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(causal, s * qk_scale, float("-inf"))
-        v = tl.load(
-            v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
-        )
         m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc, PRECISION)
     out = acc / l_i[:, None]
     tl.store(
@@ -224,6 +230,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill chunks c = 0 .. C-1 in one launch.
 
@@ -231,11 +238,11 @@ def paged_prefill_attention(
     [Hkv, num_blocks, bs, D] already holding every chunk's new tokens; block_tables: [C, W] int64 (padded);
     context_lens[c]: the sequence's tokens in the cache after the chunk (>= q_lens[c] >= 1). Row i of
     chunk c is at position context_lens[c] - q_lens[c] + i and attends to positions <= its own.
-    Returns [T, Hq, D] in q's dtype; rows outside every chunk are left unwritten. `max_q_len` (an upper
-    bound of q_lens) sizes the grid without reading q_lens back to the host.
+    Returns [T, Hq, D] in q's dtype (written into `out` when given); rows outside every chunk are left
+    unwritten. `max_q_len` (an upper bound of q_lens) sizes the grid without reading q_lens back.
     """
     group, d, block_size = _check_cache(q, k_cache, v_cache)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     num_chunks = q_lens.shape[0]
     if num_chunks == 0 or q.shape[0] == 0:
         return out

@@ -114,11 +114,11 @@ def _triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     """The step's decodes in one Triton launch, its prefill chunks (block tables padded) in another."""
     from kvferry.kernels import triton_attention
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # each kernel writes its own rows in place
     if meta.num_decodes:
         nd = meta.num_decodes
-        out[:nd] = triton_attention.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        triton_attention.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd]
         )
     if meta.prefills:
         width = max(chunk.block_table.numel() for chunk in meta.prefills)
@@ -127,11 +127,9 @@ def _triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
             row[: chunk.block_table.numel()] = chunk.block_table
         spans = [(c.q_start, c.q_len, c.context_len) for c in meta.prefills]
         starts, lens, contexts = torch.tensor(spans, dtype=torch.long, device=q.device).unbind(1)
-        attn = triton_attention.paged_prefill_attention(
-            q, k_cache, v_cache, tables, starts, lens, contexts, scale
-        )
-        first = meta.prefills[0].q_start  # chunks lie back to back after the decodes
-        out[first:] = attn[first:]
+        triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, contexts, scale, out=out
+        )  # the chunks' rows only: the decodes' rows stay as written above
     return out
 
 
