@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -167,18 +168,13 @@ def self_signed_cert(out: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_up_with_an_api_key_and_tls_serves_only_clients_with_the_key(tiny_model_dir, tmp_path):
-    """The key reaches the router by its environment (not its command line), the launcher's readiness
-    probe gets through TLS and the key gate, and `kvferry generate --server` sends the key."""
-    cert, key = self_signed_cert(tmp_path)
-    env = {**os.environ, "KVFERRY_API_KEY": "the-key"}
-    env.pop("KVFERRY_CLUSTER_SECRET", None)
+@contextlib.contextmanager
+def up(*flags: str, env: dict | None = None):
+    """`kvferry up <flags> --port 0 --no-http` for the block: (its process, the router's address) once the
+    ready line came. A block that ends normally stops it with SIGTERM, which must exit 0; one that
+    fails kills it."""
     proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "kvferry.cli", "up", "--model", str(tiny_model_dir)),
-            *("--port", "0", "--no-http", "--log-dir", str(tmp_path / "logs")),
-            *("--ssl-certfile", str(cert), "--ssl-keyfile", str(key)),
-        ],
+        [sys.executable, "-m", "kvferry.cli", "up", *flags, "--port", "0", "--no-http"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -187,7 +183,23 @@ def test_up_with_an_api_key_and_tls_serves_only_clients_with_the_key(tiny_model_
     try:
         ready = proc.stdout.readline()  # blocks until the ready line (or EOF if up failed)
         assert "ready" in ready, f"kvferry up ended: {proc.wait(60)}"
-        addr = ready.split("router at ")[1].split()[0]
+        yield proc, ready.split("router at ")[1].split()[0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_with_an_api_key_and_tls_serves_only_clients_with_the_key(tiny_model_dir, tmp_path):
+    """The key reaches the router by its environment (not its command line), the launcher's readiness
+    probe gets through TLS and the key gate, and `kvferry generate --server` sends the key."""
+    cert, key = self_signed_cert(tmp_path)
+    env = {**os.environ, "KVFERRY_API_KEY": "the-key"}
+    env.pop("KVFERRY_CLUSTER_SECRET", None)
+    flags = ("--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs"))
+    with up(*flags, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), env=env) as (proc, addr):
         router = next(pid for pid in descendants(proc.pid) if b"kvferry.router" in _proc(pid, "cmdline"))
         assert b"the-key" not in _proc(router, "cmdline")
         assert b"KVFERRY_API_KEY=the-key" in _proc(router, "environ").split(b"\0")
@@ -202,12 +214,6 @@ def test_up_with_an_api_key_and_tls_serves_only_clients_with_the_key(tiny_model_
             [*generate, "--api-key", "the-key"], capture_output=True, text=True, timeout=120, env=client_env
         )
         assert served.returncode == 0 and "output=4" in served.stderr, served.stderr
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _proc(pid: int, what: str) -> bytes:
@@ -222,20 +228,8 @@ def test_up_serves_a_five_expert_checkpoint_with_expert_parallelism_of_two(
 ):
     """`kvferry up --decode-expert-parallel-size 2` on 5 experts: ranks hold 3 | 2 (the uneven map) and
     greedy output equals transformers' token for token; the group reports its load per global expert."""
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "kvferry.cli", "up", "--model", str(five_expert_model_dir)),
-            *("--dtype", "float32", "--decode-expert-parallel-size", "2"),
-            *("--port", "0", "--no-http", "--log-dir", str(tmp_path / "logs")),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        ready = proc.stdout.readline()
-        assert "ready" in ready, f"kvferry up ended: {proc.wait(60)}"
-        addr = ready.split("router at ")[1].split()[0]
+    flags = ("--model", str(five_expert_model_dir), "--log-dir", str(tmp_path / "logs"))
+    with up(*flags, "--dtype", "float32", "--decode-expert-parallel-size", "2") as (_, addr):
         prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(n)] for i, n in enumerate((5, 19, 33, 40))]
         reference = hf_greedy(five_expert_model_dir, prompts, 12)
         with Client(addr) as client, ThreadPoolExecutor(4) as pool:
@@ -259,9 +253,3 @@ def test_up_serves_a_five_expert_checkpoint_with_expert_parallelism_of_two(
         assert len(load.layers) == 2 and all(len(layer.tokens) == 5 for layer in load.layers)
         assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers) > 0
         assert all(t > 0 for t in load.rank_tokens) and 0 < load.expert_balance <= 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
