@@ -134,7 +134,6 @@ class LLMEngine:
             self.kernel_backend = "torch"  # the C++ kernels did not build here
         elif self.kernel_backend == "triton":
             self.model.use_triton()
-        self.kernels = self.kernel_backend == "cpu"
         log.info("kernels: %s (%s, %s)", self.kernel_backend, self.device, self.dtype)
         self.kv_dtype = self.model.embed.dtype  # == kv_cache_dtype(...): float32 under the kernels
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
@@ -233,6 +232,11 @@ class LLMEngine:
         self.scheduler.finish(state.req, RequestStatus.FINISHED_ABORTED)
         self._aborted.append(state)
         return True
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the C++ CPU kernels serve this engine (`kernel_backend == "cpu"`)."""
+        return self.kernel_backend == "cpu"
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
