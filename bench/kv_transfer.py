@@ -11,6 +11,7 @@ way, one message per transfer (its batch of blocks), preallocated buffers both e
 and memcpy of the whole cache. Every figure counts payload bytes once.
 
     python bench/kv_transfer.py [--total-mb 256] [--batch-blocks 64] [--repeats 3] [--block-size 16]
+    python bench/kv_transfer.py --hosts [--rates 1,10,25]   # between emulated hosts (kv_transfer_hosts.py)
 
 Last line JSON: pool_put_gbps, pool_get_gbps (gloo), shm_put_gbps, shm_get_gbps, raw_gloo_gbps,
 memcpy_gbps, put_ratio, get_ratio (vs raw gloo), shm_put_ratio, shm_get_ratio (vs memcpy).
@@ -39,10 +40,9 @@ from kvferry.model.config import ModelConfig
 from kvferry.proc import free_port
 
 
-def raw_peer(store_port: int, nbytes: int, count: int) -> None:
-    """Helper process: rank 0 of a pair group; receives `count` messages of `nbytes`, then echoes them."""
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-    group = make_pair_group(store, "raw", 0, "gloo", "127.0.0.1", 120)
+def raw_peer(store: dist.Store, host: str, nbytes: int, count: int) -> None:
+    """Rank 0 of a pair group: receives `count` messages of `nbytes`, then echoes them."""
+    group = make_pair_group(store, "raw", 0, "gloo", host, 120)
     buf = torch.empty(nbytes // 4, dtype=torch.float32)
     for i in range(count):
         recv(group, buf, 1, i)
@@ -50,15 +50,9 @@ def raw_peer(store_port: int, nbytes: int, count: int) -> None:
         send(group, buf, 1, count + i)
 
 
-def measure_raw_gloo(nbytes: int, count: int) -> tuple[float, float]:
-    """(send GB/s, recv GB/s) to a helper process, same message size and count as the pool runs."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import kv_transfer as k; "
-        f"k.raw_peer({store.port}, {nbytes}, {count})"
-    )
-    peer = subprocess.Popen([sys.executable, "-c", code])
-    group = make_pair_group(store, "raw", 1, "gloo", "127.0.0.1", 120)
+def raw_rank1(store: dist.Store, host: str, nbytes: int, count: int) -> tuple[float, float]:
+    """(send GB/s, recv GB/s) to `raw_peer`: one message per transfer, preallocated buffers."""
+    group = make_pair_group(store, "raw", 1, "gloo", host, 120)
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     t = time.perf_counter()
     for i in range(count):
@@ -68,8 +62,22 @@ def measure_raw_gloo(nbytes: int, count: int) -> tuple[float, float]:
     for i in range(count):
         recv(group, buf, 0, count + i)
     t_recv = time.perf_counter() - t
-    peer.wait(60)
     return nbytes * count / t_send / 1e9, nbytes * count / t_recv / 1e9
+
+
+def measure_raw_gloo(nbytes: int, count: int) -> tuple[float, float]:
+    """(send GB/s, recv GB/s) to a helper process on this host, same message size and count as the pool."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import kv_transfer as k; "
+        "import torch.distributed as dist; "
+        f"store = dist.TCPStore('127.0.0.1', {store.port}, is_master=False); "
+        f"k.raw_peer(store, '127.0.0.1', {nbytes}, {count})"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", code])
+    result = raw_rank1(store, "127.0.0.1", nbytes, count)
+    peer.wait(60)
+    return result
 
 
 def measure_pool(
@@ -114,6 +122,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the pool's per-block work)")
+    ap.add_argument(
+        "--hosts",
+        action="store_true",
+        help="between two emulated hosts (root; kv_transfer_hosts.py): one JSON line per --rates link",
+    )
+    ap.add_argument("--rates", default="1,10,25", help="with --hosts: link rates in Gbit/s")
     args = ap.parse_args()
 
     cfg = ModelConfig.from_dir(bench_model_dir())
@@ -127,6 +141,11 @@ def main() -> None:
         f"of {args.batch_blocks} blocks",
         file=sys.stderr,
     )
+    if args.hosts:
+        from kv_transfer_hosts import run_hosts
+
+        run_hosts(args, layout, n_blocks)
+        return
 
     redis_port = free_port()
     procs = [subprocess.Popen(redis_server_argv("127.0.0.1", redis_port), stdout=subprocess.DEVNULL)]

@@ -440,6 +440,7 @@ class Controller:
             self._create_actors(unit)
         unit.where = ray.get([s.where.remote() for s in unit.sups], timeout=self.cfg.startup_timeout_s)
         ip = unit.where[0]["ip"]
+        check_node_address(ip, sum(1 for n in ray.nodes() if n["Alive"]))
         env = {SECRET_ENV: self.secret} if self.secret else {}
         files = None
         if unit.role == "redis":
@@ -627,9 +628,42 @@ class Controller:
 # -- driver side: what the CLI calls ----------------------------------------------------------------------
 def connect(address: str | None, **kwargs) -> None:
     """Join the Ray cluster at `address` (None: RAY_ADDRESS, a cluster started on this machine with
-    `ray start`, or else a new local one)."""
-    if not ray.is_initialized():
+    `ray start`, or else a new local one). Raises LaunchError when it cannot, saying what to check: a
+    multi-node Ray cluster asks every driver for its token."""
+    if ray.is_initialized():
+        return
+    try:
         ray.init(address=address, namespace=RAY_NAMESPACE, **kwargs)
+    except ConnectionError as err:
+        token = "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
+        token = token or (Path.home() / ".ray" / "auth_token").exists()
+        hint = (
+            "the cluster's token: RAY_AUTH_MODE=token with RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or "
+            "~/.ray/auth_token) holding the token its head was started with"
+        )
+        if os.environ.get("RAY_AUTH_MODE") != "token" or not token:
+            hint = f"this process has no Ray token; a cluster with token authentication needs {hint}"
+        else:
+            hint = f"is the token this process has {hint}?"
+        raise LaunchError(
+            f"cannot join the Ray cluster at {address or 'auto'} ({err}): is it up and reachable from "
+            f"here (a driver runs on one of its nodes)? {hint} (docs/multihost.md)"
+        ) from None
+
+
+def check_node_address(ip: str, nodes: int) -> None:
+    """Refuse a component on a Ray node with a loopback address when the cluster has other nodes: they
+    could not reach it (its hostname resolves to loopback, e.g. Debian's 127.0.1.1 line in /etc/hosts,
+    and the node was started without --node-ip-address)."""
+    import ipaddress
+
+    with contextlib.suppress(ValueError):
+        if nodes > 1 and ipaddress.ip_address(ip).is_loopback:
+            raise LaunchError(
+                f"a Ray node has the loopback address {ip} in a cluster of {nodes} nodes, so the others "
+                "cannot reach what kvferry starts there: start that node with `ray start "
+                "--node-ip-address <its address on the cluster network>`"
+            )
 
 
 def get_controller(namespace: str):

@@ -460,8 +460,8 @@ def _up_ray(args, cfg) -> int:
     # a detached cluster needs a Ray that outlives this command: an existing one, never a private one
     # (the controller's events are printed here; its own log would repeat them)
     address = args.address or cfg.ray.address or ("auto" if args.detach else None)
-    ray_launch.connect(address, log_to_driver=False)
     try:
+        ray_launch.connect(address, log_to_driver=False)
         ctrl, status = ray_launch.up(cfg, detach=args.detach, say=say)
     except ray_launch.LaunchError as err:
         print(f"kvferry: error: {err}", file=sys.stderr)
@@ -521,8 +521,8 @@ def _ray_controller(args):
     """The controller of a running `kvferry up --ray` cluster (None after printing why there is none)."""
     from kvferry.deploy import ray_launch
 
-    ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
     try:
+        ray_launch.connect(args.address or "auto", log_to_driver=False)  # an existing Ray only
         return ray_launch.get_controller(args.namespace)
     except ray_launch.LaunchError as err:
         print(f"kvferry: error: {err}", file=sys.stderr)

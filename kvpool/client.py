@@ -39,7 +39,7 @@ import torch
 
 from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, PairLink, PoolError, Put
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
-from kvferry.kvpool.shm import SharedSlab, boot_id
+from kvferry.kvpool.shm import SharedSlab, shm_host
 from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
@@ -139,11 +139,18 @@ class PoolClient:
 
     def pick_nodes(self, count: int | None = None) -> list[str]:
         """The nodes a put's copies go to: `count` (default: `replicas`) distinct live nodes, or all
-        there are when fewer, the one with the most free slots first."""
+        there are when fewer. First this host's node (its slab mapped: the put is a memcpy and crosses
+        no link; a reader elsewhere pulls it once) while it has at least half the free slots of the
+        emptiest node, so one busy host's node does not evict while others stand empty; then the
+        nodes with the most free slots."""
         nodes = self.refresh(max_age_s=1.0)
         if not nodes:
             raise PoolError("no KV pool node is registered")
-        ranked = sorted(nodes, key=lambda n: (nodes[n].get("free_slots", 0), n), reverse=True)
+        free = {n: nodes[n].get("free_slots", 0) for n in nodes}
+        most = max(free.values())
+        ranked = sorted(
+            nodes, key=lambda n: (self.near(n) == 0 and 2 * free[n] >= most, free[n], n), reverse=True
+        )
         return ranked[: count or self.replicas]
 
     def near(self, node_id: str) -> int:
@@ -153,7 +160,7 @@ class PoolClient:
         if node is not None:
             return 0 if node.shm is not None else 1
         info = self._known.get(node_id, {})  # not talked to yet: what its record advertises
-        return 0 if self.use_shm and info.get("shm") and info.get("boot_id") == boot_id() else 1
+        return 0 if self.use_shm and info.get("shm") and info.get("shm_host") == shm_host() else 1
 
     def _node(self, node_id: str) -> _Node:
         with self._lock:
@@ -195,7 +202,7 @@ class PoolClient:
     def _remap(self, node: _Node, info: dict | None) -> None:
         """Map the node's shared slab when its registry record advertises one on this host (same boot)
         and it opens; unmap it when the node left the registry (its slab dies with it)."""
-        path = info.get("shm", "") if info is not None and info.get("boot_id") == boot_id() else ""
+        path = info.get("shm", "") if info is not None and info.get("shm_host") == shm_host() else ""
         if not self.use_shm or path == node.shm_path:
             return
         node.shm, node.shm_path = None, path

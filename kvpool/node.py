@@ -50,7 +50,7 @@ from kvferry.kvpool.dataplane import COMMIT, GET, IDLE, Header, answer_tag, enco
 from kvferry.kvpool.disk import DiskTier, copy_block
 from kvferry.kvpool.hot import HotBlocks, replicator
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
-from kvferry.kvpool.shm import Mirror, SharedSlab, boot_id
+from kvferry.kvpool.shm import Mirror, SharedSlab, shm_host
 from kvferry.kvpool.slots import PutPlan, SlotState, SlotTable
 from kvferry.kvpool.transfer import (
     BlockLayout,
@@ -580,7 +580,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
     def info(self) -> dict:
         with self.lock:
             free_slots = self.table.available()
-        shm = {} if self.shm is None else {"shm": str(self.shm.path), "boot_id": boot_id()}
+        shm = {} if self.shm is None else {"shm": str(self.shm.path), "shm_host": shm_host()}
         return {
             **shm,
             "addr": f"{self.cfg.host}:{self.port}",

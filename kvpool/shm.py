@@ -42,10 +42,13 @@ META_COLS = 4  # generation, state, key bytes 0-7, key bytes 8-15 (as little-end
 _NAME = re.compile(r"^kvferry-pool-(\d+)-[0-9a-f]+$")
 
 
-def boot_id() -> str:
-    """This host's boot id: two processes on one host (and one boot) share /dev/shm."""
+def shm_host() -> str:
+    """Which /dev/shm this process sees: the host's boot id and the device of its /dev/shm mount. Two
+    processes with the same value can map each other's slab files; two containers (or emulated hosts)
+    on one machine with /dev/shm mounts of their own share the boot id but not the device."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{SHM_DIR.stat().st_dev}"
     except OSError:
         return ""
 

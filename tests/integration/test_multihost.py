@@ -1,0 +1,162 @@
+"""kvferry across emulated hosts (`kvferry.deploy.testhosts`): Ray on three hosts, `kvferry up --ray`.
+
+Host A (head, both cores) runs Ray's head, the controller, the router, redis-server and a prefill
+group; host B (core 0) a prefill group; host C (core 1) the decode group; each host a pool node. Every
+host has its own address in 198.18.6.0/24, its own /dev/shm and /tmp, and Ray's token authentication is
+on. Groups are pinned to hosts by custom Ray resources (`prefill_host`, `decode_host`), so every prefill
+runs on another host than the decode: each request's KV must cross a link, and the links' byte counters
+show it did. Host D joins later as a standby node (the host-loss test).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import tempfile
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_helpers import Members, assert_released
+from test_cluster import greedy, random_prompt
+
+from kvferry.deploy import testhosts
+from kvferry.deploy.testray import RayNode, RayOnHosts
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.transfer import BlockLayout
+from kvferry.model.config import ModelConfig
+from kvferry.model.create import create_model
+from kvferry.router.client import Client
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(testhosts.unavailable() is not None, reason=str(testhosts.unavailable())),
+]
+
+NAMESPACE = "mh"
+NEW_TOKENS = 12
+SECRET = "multihost-test-secret"
+A, B, C, D = 1, 2, 3, 4
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """A directory every host sees (each has its own /tmp): the model, the kvferry cache, logs."""
+    path = Path(tempfile.mkdtemp(prefix="kvferry-mh-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with testhosts.TestHosts(4, ["0-1", "0", "1", "0-1"], prefix="kvmh", subnet=6) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def mh(hosts, shared, monkeypatch_session):
+    """The cluster: Ray on A, B, C; `kvferry up --ray --detach` from A; torn down after the module."""
+    model = create_model("tiny", shared / "models" / "tiny")
+    config = {
+        "model": str(model),
+        "dtype": "float32",
+        "namespace": NAMESPACE,
+        "cluster_secret": SECRET,
+        "router": {"host": "0.0.0.0", "port": 50051, "http_port": 0, "routing": "least-load"},
+        "pool": {"per_ray_node": True, "memory_gib": 0.1},
+        "prefill": {
+            "replicas": 2,
+            "max_model_len": 1024,
+            "num_kv_blocks": 512,
+            "resources": {"CPU": 1, "prefill_host": 1},
+        },
+        "decode": {
+            "replicas": 1,
+            "max_model_len": 1024,
+            "num_kv_blocks": 512,
+            "resources": {"CPU": 1, "decode_host": 1},
+        },
+        "ray": {"max_restarts": 3, "log_dir": str(shared / "logs")},
+        "drain_timeout_s": 30,
+    }
+    (shared / "cluster.yaml").write_text(yaml.safe_dump(config))
+    ray = RayOnHosts(hosts, shared, head=A)
+    monkeypatch_session.setenv("KVFERRY_CLUSTER_SECRET", SECRET)  # this process's stubs of the workers
+    try:
+        ray.start(
+            {
+                A: RayNode(2, {"prefill_host": 1}),
+                B: RayNode(2, {"prefill_host": 1}),
+                C: RayNode(2, {"decode_host": 1}),
+            }
+        )
+        router = ray.kvferry_up(shared / "cluster.yaml")
+        redis_url = ray.controller(NAMESPACE, "full_redis_url")
+        members = Members(
+            types.SimpleNamespace(redis_url=redis_url, cfg=types.SimpleNamespace(namespace=NAMESPACE))
+        )
+        with Client(router) as client:
+            yield types.SimpleNamespace(
+                ray=ray, router=router, redis_url=redis_url, client=client, members=members, model=model
+            )
+        members.close()
+        ray.kvferry("down", "--ray", "--namespace", NAMESPACE, check=False)
+    finally:
+        ray.stop()
+
+
+def kv_bytes(model: Path, prompt_tokens: int) -> int:
+    """Bytes of the KV of a prompt's blocks (full ones and the private tail), float32."""
+    cfg = ModelConfig.from_dir(model)
+    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, 16, cfg.head_dim, "float32")
+    return -(-prompt_tokens // 16) * layout.block_bytes
+
+
+def test_groups_land_on_their_hosts_and_nothing_advertises_loopback(mh, hosts):
+    status = mh.ray.controller(NAMESPACE, "status")
+    ips = {u["name"]: {r["ip"] for r in u["ranks"]} for u in status["units"]}
+    roles = {u["name"]: u["role"] for u in status["units"]}
+    on = lambda role: set().union(*(ips[n] for n in ips if roles[n] == role))  # noqa: E731
+    assert on("prefill") == {hosts[A].address, hosts[B].address}
+    assert on("decode") == {hosts[C].address}
+    assert on("pool") == {hosts[A].address, hosts[B].address, hosts[C].address}  # one per Ray node
+    assert on("router") == on("redis") == {hosts[A].address}
+    meta = MetadataStore(mh.redis_url, NAMESPACE)
+    for role in ("prefill", "decode", "pool"):
+        for member, info in meta.members(role).items():
+            host = info["addr"].rsplit(":", 1)[0]
+            assert not ipaddress.ip_address(host).is_loopback, f"{role} {member} advertises {info['addr']}"
+            assert host in {h.address for h in hosts.hosts}, f"{role} {member} advertises {info['addr']}"
+
+
+def test_greedy_equals_transformers_and_the_kv_crosses_the_links(mh, hosts, hf_greedy):
+    prompts = [random_prompt(100 + i, n) for i, n in enumerate((40, 97, 160, 250, 64, 129))]
+    expected = hf_greedy(mh.model, prompts, NEW_TOKENS)
+    before = {i: hosts[i].counters() for i in (A, B, C)}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: mh.client.generate(greedy(p, NEW_TOKENS), timeout=120), prompts))
+    after = {i: hosts[i].counters() for i in (A, B, C)}
+    assert [g.token_ids for g in got] == expected
+    kv = sum(kv_bytes(mh.model, len(p)) for p in prompts)
+    received_c = after[C][1] - before[C][1]
+    assert received_c >= kv, f"the decode host received {received_c} B over its link, the KV is {kv} B"
+    put_in = sum(after[i][1] - before[i][1] for i in (A, B))
+    # the prefill hosts wrote their KV into their own host's pool node through its shared slab
+    assert put_in < kv / 2, f"{put_in} B went into the prefill hosts for {kv} B of KV"
+    assert_released(mh.members, [g.request_id for g in got])
+
+
+def test_a_prefix_prefilled_on_one_host_is_reused_on_another_through_the_pool(mh, hf_greedy):
+    prompt = random_prompt(7, 96)
+    expected = hf_greedy(mh.model, [prompt], NEW_TOKENS)[0]
+    first = mh.client.generate(greedy(prompt, NEW_TOKENS), timeout=60)
+    assert first.token_ids == expected
+    # least-load routing: two at once go one to each prefill host, so one of them is on the host
+    # that did not prefill it and must pull the prefix from the other host's pool node
+    with ThreadPoolExecutor(2) as pool:
+        again = list(pool.map(lambda _: mh.client.generate(greedy(prompt, NEW_TOKENS), timeout=60), range(2)))
+    assert [a.token_ids for a in again] == [expected, expected]
+    assert max(a.finished.pool_cached_tokens for a in again) >= 80, [a.finished for a in again]
+    assert_released(mh.members, [a.request_id for a in (first, *again)])
