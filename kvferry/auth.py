@@ -16,8 +16,9 @@ speaks plaintext; the secret travels in either case (inside TLS when it is on).
 Public plane: the router's gRPC API asks for `authorization: Bearer <key>` when it is given API keys
 (`--api-key`); the cluster secret is accepted there too (operators' tools).
 
-The gRPC health service stays open, so load balancers and launchers can probe any port; it says
-SERVING or not and nothing more.
+The gRPC health service needs no secret, so load balancers and launchers can probe any port; it says
+SERVING or not and nothing more. With internal TLS a probe of an internal port needs a cluster leaf
+like any other call (the handshake comes first).
 """
 
 from __future__ import annotations
