@@ -7,6 +7,7 @@ namespace: default     # Redis key prefix (several clusters can share one Redis)
 redis_url: null        # null: `kvferry up` starts its own redis-server (with a random password)
 cluster_host: 127.0.0.1  # what workers, pool nodes, redis and the TCPStores bind: never exposed
 cluster_secret: null   # the internal plane's secret (null: `kvferry up` generates one; kvferry.auth)
+internal_tls: auto     # mutual TLS between the cluster's processes: auto | on | off (internal_tls_on)
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
          api_keys: [], ssl_certfile: null, ssl_keyfile: null,   # only the router faces clients
          routing: kv-aware}   # the prefill worker holding the longest prefix, weighed against load
@@ -31,6 +32,7 @@ Every worker group must write KV blocks of the pool's one layout (the same block
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -133,7 +135,17 @@ class WorkerGroupSettings:
 
 
 PLACEMENTS = ("prefill-first", "even")
-_TOP_OVERRIDES = {"model", "dtype", "redis_url", "colocated", "namespace", "cluster_host", "cluster_secret"}
+_TOP_OVERRIDES = {
+    "model",
+    "dtype",
+    "redis_url",
+    "colocated",
+    "namespace",
+    "cluster_host",
+    "cluster_secret",
+    "internal_tls",
+}
+INTERNAL_TLS = ("auto", "on", "off")
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 
@@ -165,6 +177,7 @@ class ClusterConfig:
     # workers, pool nodes, redis and the groups' TCPStores bind this; only the router binds router.host
     cluster_host: str = "127.0.0.1"
     cluster_secret: str | None = field(default=None, repr=False)  # None: `kvferry up` makes one
+    internal_tls: str = "auto"  # auto | on | off: mutual TLS between its processes (internal_tls_on)
     router: RouterSettings = RouterSettings()
     pool: PoolSettings = PoolSettings()
     # one group kind per role, or several (a list in YAML): e.g. TP=2 and TP=1 prefill groups side by side
@@ -213,6 +226,10 @@ class ClusterConfig:
                 f"cluster_host {self.cluster_host!r} would expose workers, pool nodes and redis; "
                 "only the router faces clients (router.host / --host)"
             )
+        if self.internal_tls not in INTERNAL_TLS:
+            raise ClusterConfigError(
+                f"internal_tls must be one of {', '.join(INTERNAL_TLS)}, got {self.internal_tls!r}"
+            )
         if self.placement not in PLACEMENTS:
             raise ClusterConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
@@ -242,6 +259,15 @@ class ClusterConfig:
                         "decode.tensor_parallel_size: decode groups are data-parallel attention + "
                         "expert-parallel MoE (expert_parallel_size)"
                     )
+
+    def internal_tls_on(self, ray: bool = False) -> bool:
+        """Whether the cluster's processes talk mutual TLS: `on` / `off` as set; `auto`: on when one of
+        them binds an address other hosts may reach (`cluster_host` not loopback, and always on Ray,
+        whose nodes may be other hosts), off on a loopback cluster (TLS costs CPU on every streamed
+        token there and protects nothing)."""
+        if self.internal_tls != "auto":
+            return self.internal_tls == "on"
+        return ray or not _loopback(self.cluster_host)
 
     def groups(self, role: str) -> tuple[WorkerGroupSettings, ...]:
         value = getattr(self, role)
@@ -391,6 +417,8 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     for name, cls in sections:
         if name in raw:
             kwargs[name] = _section(cls, raw.pop(name) or {}, name)
+    if isinstance(raw.get("internal_tls"), bool):  # YAML 1.1 reads a bare on / off as a boolean
+        raw["internal_tls"] = "on" if raw["internal_tls"] else "off"
     if "router" in kwargs:  # YAML gives a list (or null)
         kwargs["router"] = replace(kwargs["router"], api_keys=tuple(kwargs["router"].api_keys or ()))
     for group in ("prefill", "decode"):
@@ -412,6 +440,15 @@ def _group(section: dict, role: str) -> WorkerGroupSettings:
     replicas = section.pop("replicas", 1)
     resources = section.pop("resources", None) or {}
     return WorkerGroupSettings(replicas=replicas, engine=section, resources=resources)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to an address other hosts reach
+        return False
 
 
 def _check_resources(name: str, resources) -> None:

@@ -12,8 +12,12 @@ TCPStores bind `cluster_host` (127.0.0.1 by default). Every child gets the clust
 `KVFERRY_CLUSTER_SECRET` (kvferry.auth; never on a command line), and so does this process, whose
 probes and clients then carry it. The redis-server asks for a random password (deploy.redis_server).
 The router gets its API keys in `KVFERRY_API_KEY`, and every pool node, worker and router the Redis
-URL (with that password) in `KVFERRY_REDIS_URL`. Secrets the operator needs (`cluster-secret`,
-`redis-url`) are written to the log dir, readable by the owner only, and removed at stop.
+URL (with that password) in `KVFERRY_REDIS_URL`. With internal TLS on (`internal_tls`, see
+deploy.config), this process makes the cluster CA (deploy.cluster_ca; its key stays here) and gives
+every pool node, worker and router the CA certificate and a leaf of its own in `KVFERRY_TLS_*`
+(kvferry.auth), a new leaf at each restart; it takes a leaf too. Secrets the operator needs
+(`cluster-secret`, `redis-url`, and with TLS this process's leaf: `tls-ca.pem`, `tls-cert.pem`,
+`tls-key.pem`) are written to the log dir, readable by the owner only, and removed at stop.
 
 Failure: once the cluster is up, a watcher thread restarts a dead unit (redis on its port with its
 password, a pool node, a worker group whole, the router) with the same command, after a backoff and
@@ -35,8 +39,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
+from kvferry.auth import SECRET_ENV, TLS_ENVS, cluster_secret, new_secret
 from kvferry.deploy import scaling
+from kvferry.deploy.cluster_ca import ClusterCA, launcher_ca
 from kvferry.deploy.config import ClusterConfig, cluster_layout
 from kvferry.deploy.readiness import reachable, wait_until_ready
 from kvferry.deploy.redis_server import (
@@ -57,7 +62,9 @@ from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
 from kvferry.settings import API_KEY_ENV, load_settings
 
-SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf")  # in the log dir, 0600, removed at stop
+# in the log dir, 0600, removed at stop; TLS_FILES: this process's leaf, for an operator's tools
+TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
+SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
 
 
 @dataclass
@@ -94,6 +101,7 @@ class LocalCluster:
     _layout: BlockLayout | None = None  # the pool's (None when colocated)
     _tmp: Path | None = None
     secret: str = field(default="", repr=False)  # the cluster secret every child gets
+    ca: ClusterCA | None = field(default=None, repr=False)  # internal TLS: what signs every child's leaf
     events: list[str] = field(default_factory=list)  # restarts and units left down, as reported
     _lock: threading.RLock = field(default_factory=threading.RLock)  # children's states and procs
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -106,7 +114,7 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
         env = {SECRET_ENV: self.secret, **redis_env(self.redis_url), **(env or {})}
         log = self.log_dir / f"{name}.log"
-        child = Child(name, self._popen(log, argv, env, "wb"), log, argv, env)
+        child = Child(name, self._popen(log, argv, {**env, **self._leaf_env(name)}, "wb"), log, argv, env)
         child.budget = RestartBudget(self.cfg.restarts)
         with self._lock:
             self.children.append(child)
@@ -114,7 +122,8 @@ class LocalCluster:
 
     @staticmethod
     def _popen(log: Path, argv: list[str], env: dict, mode: str) -> subprocess.Popen:
-        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV, REDIS_URL_ENV)}
+        mine = (SECRET_ENV, API_KEY_ENV, REDIS_URL_ENV, *TLS_ENVS)  # a child gets its own or none
+        base = {k: v for k, v in os.environ.items() if k not in mine}
         with log.open(mode) as out:
             return subprocess.Popen(
                 argv,
@@ -147,6 +156,7 @@ class LocalCluster:
         check_degrees(cfg, model_cfg)
         self._layout = None if cfg.colocated else cluster_layout(cfg, model_cfg)
         self._set_secret()
+        self._set_tls()
         inner = cfg.cluster_host
 
         if cfg.redis_url:
@@ -185,6 +195,29 @@ class LocalCluster:
         self.secret = self.cfg.cluster_secret or cluster_secret() or new_secret()
         os.environ[SECRET_ENV] = self.secret
         write_private(self.log_dir / "cluster-secret", self.secret + "\n")
+
+    def _set_tls(self) -> None:
+        """Internal TLS (cfg.internal_tls_on): the CA is this process's (launcher_ca: every cluster it
+        runs shares it, as they share the secret); this process takes a leaf in its environment (its
+        test clients and tools use kvferry.rpc) and writes it to the log dir. Off: this process drops
+        any TLS material it had, to speak plaintext to its children."""
+        if not self.cfg.internal_tls_on():
+            self.ca = None
+            for name in TLS_ENVS:
+                os.environ.pop(name, None)
+            return
+        self.ca = launcher_ca()
+        mine = self.ca.issue()
+        os.environ.update(mine.env())
+        for name, pem in zip(TLS_FILES, (mine.ca, mine.cert, mine.key), strict=True):
+            write_private(self.log_dir / name, pem.decode())
+        self.say("internal    mutual TLS (cluster CA made by this launcher)")
+
+    def _leaf_env(self, name: str) -> dict[str, str]:
+        """A new leaf for child `name` in its environment: {} without TLS, and for redis (no gRPC)."""
+        if self.ca is None or _kind(name) == "redis":
+            return {}
+        return self.ca.issue(self.cfg.cluster_host).env()
 
     def _start_router(self, model: str) -> None:
         router = self.cfg.router
@@ -319,7 +352,7 @@ class LocalCluster:
     def _restart(self, child: Child, now: float) -> None:
         with child.log.open("ab") as out:
             out.write(b"\n--- kvferry: restarting ---\n")
-        child.proc = self._popen(child.log, child.argv, child.env, "ab")
+        child.proc = self._popen(child.log, child.argv, {**child.env, **self._leaf_env(child.name)}, "ab")
         child.state = "running"
         n = child.budget.record(now)
         self._report(f"kvferry: {child.name} restarted ({n} of {self.cfg.restarts.max} restarts allowed)")

@@ -21,6 +21,10 @@
   driver makes one unless the config has `cluster_secret`) and hands it to every process it launches
   in `KVFERRY_CLUSTER_SECRET`, the router its API keys in `KVFERRY_API_KEY`, every pool node, worker
   and router the Redis URL (with its password) in `KVFERRY_REDIS_URL`: never on a command line.
+- **Internal TLS** (`internal_tls`; `auto` is on under Ray, whose nodes may be other hosts): the
+  controller makes the cluster CA (deploy.cluster_ca; its key never leaves the controller) and gives
+  each process it launches the CA certificate and a new leaf for its node's IP in `KVFERRY_TLS_*`
+  (kvferry.auth), at every (re)launch; redis gets none (it speaks no gRPC).
 - **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher checks
   every unit every second and relaunches one with a dead actor or an exited process whole (every
   rank of a group: a group cannot take one rank back mid-collective) on the same resources. The
@@ -60,6 +64,7 @@ from ray.util.scheduling_strategies import (
 
 from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
 from kvferry.deploy import scaling
+from kvferry.deploy.cluster_ca import ClusterCA
 from kvferry.deploy.redis_server import new_password, redis_url, write_private
 from kvferry.kvpool.metadata import mask_url
 from kvferry.proc import STOP_ORDER, die_with_parent
@@ -196,6 +201,8 @@ class Controller:
         self.redis_url = self.cfg.redis_url or ""
         self.redis_password = ""  # of the redis-server started here: made once, kept across relaunches
         self.secret = cluster_secret()  # from the runtime env `up` gives this actor (None: an open cluster)
+        # internal TLS: the cluster CA, made here (its key never leaves this actor); None: plaintext
+        self.ca = ClusterCA.create() if self.cfg.internal_tls_on(ray=True) else None
         self.router_addr = ""
         self.http_url = ""
         self.model_dir: Path | None = None
@@ -475,12 +482,19 @@ class Controller:
         argvs = [["{python}" if a == sys.executable else a for a in argv] for argv in argvs]
         threads = max(1, int(self._bundle(unit).get("CPU", 1))) if unit.role in ("prefill", "decode") else 1
         env["KVFERRY_NUM_THREADS"] = str(threads)
+        envs = [{**env, **self._leaf_env(unit, where["ip"])} for where in unit.where]
         ray.get(
-            [s.launch.remote(a, env, files) for s, a in zip(unit.sups, argvs, strict=True)],
+            [s.launch.remote(a, e, files) for s, a, e in zip(unit.sups, argvs, envs, strict=True)],
             timeout=RPC_TIMEOUT_S,
         )
         unit.state = "running"
         return unit
+
+    def _leaf_env(self, unit: Unit, ip: str) -> dict[str, str]:
+        """A new leaf for one rank of `unit` on the node at `ip`: {} without TLS, and for redis."""
+        if self.ca is None or unit.role == "redis":
+            return {}
+        return self.ca.issue(ip).env()
 
     def _check_started(self, units: list[Unit] | None = None) -> None:
         """During start: a component that exited is a launch error (with its log), not a restart."""

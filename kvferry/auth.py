@@ -6,11 +6,19 @@ generates the secret (or takes it from the config) and hands it to every process
 `KVFERRY_CLUSTER_SECRET` environment variable; a process started without one runs an open cluster (the
 unit tests, a single developer's loopback cluster started by hand).
 
+Internal TLS: when `kvferry up` turns it on (deploy.config `internal_tls`), every internal gRPC
+connection is mutual TLS (kvferry.rpc). The launcher keeps the cluster CA's key (deploy.cluster_ca) and
+hands each process the CA certificate and a leaf certificate and key of its own, as PEM text in
+`KVFERRY_TLS_CA`, `KVFERRY_TLS_CERT` and `KVFERRY_TLS_KEY` (`tls_material`); every leaf names
+`CLUSTER_NAME`, which clients check servers against whatever their address. A process without them
+speaks plaintext; the secret travels in either case (inside TLS when it is on).
+
 Public plane: the router's gRPC API asks for `authorization: Bearer <key>` when it is given API keys
 (`--api-key`); the cluster secret is accepted there too (operators' tools).
 
-The gRPC health service stays open, so load balancers and launchers can probe any port; it says
-SERVING or not and nothing more.
+The gRPC health service needs no secret, so load balancers and launchers can probe any port; it says
+SERVING or not and nothing more. With internal TLS a probe of an internal port needs a cluster leaf
+like any other call (the handshake comes first).
 """
 
 from __future__ import annotations
@@ -19,12 +27,47 @@ import hmac
 import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 SECRET_ENV = "KVFERRY_CLUSTER_SECRET"
 SECRET_HEADER = "x-kvferry-secret"
 OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV = "KVFERRY_TLS_CA", "KVFERRY_TLS_CERT", "KVFERRY_TLS_KEY"
+TLS_ENVS = (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
+CLUSTER_NAME = "kvferry-cluster"  # the DNS name in every leaf; what clients verify a server against
+
+
+class TlsSettingsError(ValueError):
+    """The process has part of its TLS material: some of KVFERRY_TLS_CA / _CERT / _KEY but not all."""
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """What one process holds for mutual TLS on the internal plane, as PEM bytes."""
+
+    ca: bytes  # the cluster CA's certificate: the only root a peer's certificate may chain to
+    cert: bytes  # this process's leaf certificate
+    key: bytes = field(repr=False)  # ... and its private key
+
+    def env(self) -> dict[str, str]:
+        """The environment that hands this material to a child process (`tls_material` reads it)."""
+        pems = (self.ca, self.cert, self.key)
+        return {name: pem.decode() for name, pem in zip(TLS_ENVS, pems, strict=True)}
+
+
+def tls_material() -> TlsMaterial | None:
+    """This process's TLS material (from its environment); None: the internal plane is plaintext.
+    Raises TlsSettingsError when only some of the three variables are set (never a silent plaintext)."""
+    values = [os.environ.get(name) or "" for name in TLS_ENVS]
+    if not any(values):
+        return None
+    if not all(values):
+        missing = [name for name, value in zip(TLS_ENVS, values, strict=True) if not value]
+        raise TlsSettingsError(f"internal TLS needs {', '.join(TLS_ENVS)}; missing {', '.join(missing)}")
+    ca, cert, key = (value.encode() for value in values)
+    return TlsMaterial(ca=ca, cert=cert, key=key)
 
 
 def cluster_secret() -> str | None:

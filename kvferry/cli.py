@@ -311,6 +311,13 @@ def _up_parser(sub) -> None:
         help="the internal plane's secret (default: the config's cluster_secret, else a new one)",
     )
     up.add_argument(
+        "--internal-tls",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="mutual TLS between the cluster's processes (default auto: on when --cluster-host is not "
+        "loopback, and always with --ray; off on a loopback cluster)",
+    )
+    up.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -384,6 +391,7 @@ def _cmd_up(args) -> int:
         host=args.host,
         cluster_host=args.cluster_host,
         cluster_secret=secret,
+        internal_tls=args.internal_tls,
         api_keys=args.api_key or load_settings().api_keys,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
@@ -423,7 +431,8 @@ def _cmd_up(args) -> int:
         )
         print(
             f"kvferry: secrets in {cluster.log_dir} (owner-only, removed at stop): cluster-secret"
-            + ("" if cfg.redis_url else ", redis-url (kvferry scale --redis-url-file)"),
+            + ("" if cfg.redis_url else ", redis-url (kvferry scale --redis-url-file)")
+            + ("" if cluster.ca is None else ", tls-ca.pem, tls-cert.pem, tls-key.pem (internal TLS)"),
             file=sys.stderr,
             flush=True,
         )

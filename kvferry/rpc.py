@@ -3,6 +3,11 @@
 Two kinds of server: `start_server`, a threaded one (the pool node: every call is short), and
 `AioServer`, a grpc.aio server on its own event-loop thread (the workers: a streaming call holds no
 thread, so the calls a worker can hold open are bounded by its own limit, not by a thread pool).
+
+Transport: when the process has TLS material (kvferry.auth.tls_material), every server here binds
+mutual TLS (a client must show a certificate of the cluster CA) and every channel here speaks TLS with
+this process's leaf, checking the server against kvferry.auth.CLUSTER_NAME; without it, both are
+plaintext. Either way every call carries the cluster secret.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.auth import client_interceptors, server_interceptors
+from kvferry.auth import CLUSTER_NAME, TlsMaterial, client_interceptors, server_interceptors, tls_material
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +35,13 @@ CHANNEL_OPTIONS = [
 
 
 def channel(target: str) -> grpc.Channel:
-    """A channel to another kvferry process: every call carries the cluster secret (kvferry.auth)."""
-    ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    """A channel to another kvferry process: every call carries the cluster secret (kvferry.auth), over
+    mutual TLS when this process has TLS material."""
+    tls = tls_material()
+    if tls is None:
+        ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    else:
+        ch = grpc.secure_channel(target, _channel_credentials(tls), options=_tls_options())
     interceptors = client_interceptors()
     return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
@@ -39,7 +49,39 @@ def channel(target: str) -> grpc.Channel:
 def aio_channel(target: str) -> grpc.aio.Channel:
     """`channel` for asyncio code."""
     interceptors = client_interceptors(aio=True)
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    tls = tls_material()
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    creds = _channel_credentials(tls)
+    return grpc.aio.secure_channel(target, creds, options=_tls_options(), interceptors=interceptors)
+
+
+def _channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
+
+
+def _tls_options() -> list[tuple[str, object]]:
+    """Servers are checked against the cluster's name, not their address (any IP a node has)."""
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", CLUSTER_NAME)]
+
+
+def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
+    """Add host:port (0 = any free port) to `server`: mutual TLS when this process has TLS material
+    (clients must show a certificate of the cluster CA), else plaintext. Returns the bound port."""
+    tls = tls_material()
+    addr = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(addr)
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+        )
+        bound = server.add_secure_port(addr, creds)
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {addr}")
+    return bound
 
 
 def service_names(*descriptors) -> list[str]:
@@ -66,7 +108,8 @@ def set_serving(health_servicer: health.HealthServicer, names: Sequence[str], se
 def start_server(
     add_servicers: Callable[[grpc.Server], None], names: Sequence[str], host: str, port: int, max_workers: int
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A threaded gRPC server on host:port (0 = any free port); returns it, the bound port, its health."""
+    """A threaded gRPC server on host:port (0 = any free port; TLS: see `bind`); returns it, the bound
+    port, its health."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=CHANNEL_OPTIONS,
@@ -74,9 +117,7 @@ def start_server(
     )
     add_servicers(server)
     health_servicer = add_health_and_reflection(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    bound = bind(server, host, port)
     server.start()
     return server, bound, health_servicer
 
@@ -120,9 +161,7 @@ class AioServer:
         await self._set(False)
         names = (*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        self.port = bind(server, host, port)
         await server.start()
         return server
 

@@ -3,6 +3,7 @@ secrets, router flags), the restart budget, and the watcher's decisions on real 
 
 from __future__ import annotations
 
+import ast
 import stat
 import sys
 from pathlib import Path
@@ -202,3 +203,87 @@ def test_up_refuses_an_empty_or_missing_cluster_secret_file_before_starting_anyt
     assert "is empty" in capsys.readouterr().err
     assert main(["up", "--cluster-secret-file", str(tmp_path / "missing")]) == 2
     assert "--cluster-secret-file" in capsys.readouterr().err
+
+
+def test_internal_tls_is_on_where_a_process_binds_beyond_loopback():
+    import yaml
+
+    assert not ClusterConfig().internal_tls_on()  # a loopback cluster: TLS would protect nothing
+    assert not ClusterConfig(cluster_host="localhost").internal_tls_on()
+    assert not ClusterConfig(cluster_host="::1").internal_tls_on()
+    assert ClusterConfig(cluster_host="10.0.0.5").internal_tls_on()
+    assert ClusterConfig(cluster_host="node-3").internal_tls_on()  # a name may resolve off this host
+    assert ClusterConfig().internal_tls_on(ray=True)  # Ray nodes may be other hosts
+    assert ClusterConfig(internal_tls="on").internal_tls_on()
+    assert not ClusterConfig(cluster_host="10.0.0.5", internal_tls="off").internal_tls_on(ray=True)
+    with pytest.raises(ClusterConfigError, match="internal_tls"):
+        ClusterConfig(internal_tls="yes").validate()
+    assert ClusterConfig().with_overrides(internal_tls="on").internal_tls == "on"  # --internal-tls
+    assert ClusterConfig().with_overrides(internal_tls=None).internal_tls == "auto"
+    for text, value in (("on", "on"), ("off", "off"), ("'on'", "on"), ("auto", "auto")):
+        cfg = cluster_config_from_dict(yaml.safe_load(f"internal_tls: {text}"))  # a bare on is a YAML bool
+        assert cfg.internal_tls == value
+        assert cluster_config_from_dict(cluster_config_to_dict(cfg)) == cfg
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    """The secret and TLS variables a launcher sets in its own environment are undone after the test."""
+    from kvferry.auth import TLS_ENVS
+
+    for name in (SECRET_ENV, *TLS_ENVS):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_with_internal_tls_each_child_gets_the_ca_and_a_new_leaf_and_redis_none(tmp_path, launcher_env):
+    from cryptography import x509
+
+    from kvferry.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, tls_material
+    from kvferry.deploy.local import TLS_FILES
+
+    cluster = LocalCluster(ClusterConfig(internal_tls="on"), log_dir=tmp_path, quiet=True)
+    cluster.secret = "the-secret"
+    cluster._set_tls()
+    mine = tls_material()  # the launcher's own leaf: its clients and tools reach internal ports
+    assert mine is not None and mine.ca == cluster.ca.cert_pem
+    files = [tmp_path / name for name in TLS_FILES]
+    assert [f.read_bytes() for f in files] == [mine.ca, mine.cert, mine.key]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    show = "import os; print(repr([os.environ.get(k) for k in ('%s', '%s', '%s')]))"
+    dump = [sys.executable, "-c", show % (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV)]
+    seen = {}
+    for name in ("pool-0", "decode-0", "redis"):
+        child = cluster._spawn(name, dump)
+        _wait_exit(child)
+        seen[name] = ast.literal_eval(child.log.read_text())
+        assert TLS_KEY_ENV not in child.env  # not kept: a restart gets a new leaf
+    assert seen["redis"] == [None, None, None]  # no gRPC: no key
+    ca = x509.load_pem_x509_certificate(mine.ca)
+    leaves = {}
+    for name in ("pool-0", "decode-0"):
+        ca_pem, cert_pem, key_pem = seen[name]
+        assert ca_pem.encode() == mine.ca and "PRIVATE KEY" in key_pem
+        leaves[name] = x509.load_pem_x509_certificate(cert_pem.encode())
+        leaves[name].verify_directly_issued_by(ca)
+    serials = {x509.load_pem_x509_certificate(mine.cert).serial_number}
+    serials |= {leaf.serial_number for leaf in leaves.values()}
+    assert len(serials) == 3  # a leaf of its own for each
+    restarted = cluster.children[0]
+    cluster._restart(restarted, 0.0)
+    _wait_exit(restarted)
+    assert restarted.log.read_text().count("BEGIN CERTIFICATE") == 4  # (CA + leaf) twice
+    lines = restarted.log.read_text().splitlines()
+    first, again = (ast.literal_eval(line) for line in lines if line.startswith("["))
+    assert first[1] != again[1]
+
+
+def test_without_internal_tls_the_launcher_drops_any_tls_material(tmp_path, launcher_env, monkeypatch):
+    from kvferry.auth import TLS_ENVS, tls_material
+
+    for name in TLS_ENVS:
+        monkeypatch.setenv(name, "left by another cluster")
+    cluster = LocalCluster(ClusterConfig(), log_dir=tmp_path, quiet=True)
+    cluster._set_tls()
+    assert cluster.ca is None and tls_material() is None
+    assert not list(tmp_path.glob("tls-*"))
