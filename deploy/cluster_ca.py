@@ -11,10 +11,10 @@ leaf never outlives its CA.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import ipaddress
+from collections.abc import Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -59,11 +59,15 @@ class ClusterCA:
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, ip: str | None = None, validity: datetime.timedelta = VALIDITY) -> TlsMaterial:
-        """A new key and leaf certificate for one process: CLUSTER_NAME, plus `ip` when it is an IP
-        address (a host name adds nothing: clients check CLUSTER_NAME)."""
+    def issue(
+        self, ip: str | Sequence[str] | None = None, validity: datetime.timedelta = VALIDITY
+    ) -> TlsMaterial:
+        """A new key and leaf certificate for one process: CLUSTER_NAME, plus `ip` (an address or a host
+        name, or several: kvferry's clients check CLUSTER_NAME; other users, e.g. Ray's TLS, the
+        address they dial)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
+        hosts = [ip] if isinstance(ip, str) else list(ip or [])
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CLUSTER_NAME)]))
@@ -72,7 +76,7 @@ class ClusterCA:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(min(now + validity, self.cert.not_valid_after_utc))
-            .add_extension(x509.SubjectAlternativeName(_names(ip)), critical=False)
+            .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(cert_sign=False), critical=True)
             .add_extension(
@@ -97,10 +101,13 @@ def launcher_ca() -> ClusterCA:
     return ClusterCA.create()
 
 
-def _names(ip: str | None) -> list[x509.GeneralName]:
+def _names(hosts: Sequence[str]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.DNSName(CLUSTER_NAME)]
-    with contextlib.suppress(ValueError):  # a host name, not an address: CLUSTER_NAME is what clients check
-        names.append(x509.IPAddress(ipaddress.ip_address(ip or "")))
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
     return names
 
 

@@ -629,6 +629,14 @@ class Controller:
             "event_count": self.event_count,
         }
 
+    def operator_tls(self, hours: float = 24.0) -> dict[str, str]:
+        """A client certificate for an operator's tool (tests, `grpcurl`) to call the internal ports:
+        the KVFERRY_TLS_* environment of a new leaf valid for `hours` ({}: the cluster is plaintext).
+        Only a Ray driver holding the Ray cluster's token can ask."""
+        import datetime
+
+        return {} if self.ca is None else self.ca.issue(validity=datetime.timedelta(hours=hours)).env()
+
     def full_redis_url(self) -> str:
         """The Redis URL with its password (status() shows it masked): tests, operators' tools."""
         return self.redis_url
@@ -699,6 +707,13 @@ def up(cfg: ClusterConfig, detach: bool = False, say=print):
     from kvferry.deploy.config import cluster_config_to_dict
 
     cfg.validate()
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    if nodes > 1 and os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        say(
+            f"warning: this Ray cluster has {nodes} nodes and Ray's TLS is off: the controller hands each "
+            "process the cluster secret and its TLS key through Ray's RPC, in clear on the network "
+            "(RAY_USE_TLS=1 on every node; docs/multihost.md)"
+        )
     secret = cfg.cluster_secret or cluster_secret() or new_secret()
     cfg = replace(cfg, cluster_secret=None)
     try:

@@ -8,6 +8,8 @@ operator runs them on real machines, for the multi-host tests and benchmarks.
 - Ray's token authentication is on (`RAY_AUTH_MODE=token`) and the token reaches every node and every
   driver in `RAY_AUTH_TOKEN`; on real machines copy the file `ray get-auth-token --generate` wrote
   (~/.ray/auth_token) to each node instead (docs/multihost.md).
+- Ray's own TLS is on (`RAY_USE_TLS=1`, a CA of its own and one certificate naming every host): kvferry's
+  controller hands each process its secret and TLS key through Ray's RPC, which is plaintext otherwise.
 - Every host sees `shared` (a directory outside the hosts' private /tmp), as machines see a shared file
   system: the model, the kvferry cache (built kernels) and the cluster file live there.
 - The driver (`kvferry up --ray --detach`, `kvferry scale --ray`, `kvferry down --ray`) runs on the head
@@ -50,8 +52,27 @@ class RayOnHosts:
             "RAY_AUTH_TOKEN": self.token,
             "KVFERRY_CACHE_DIR": str(self.shared / "cache"),
             "RAY_USAGE_STATS_ENABLED": "0",
+            **self._ray_tls(),
         }
         self.started: list[int] = []
+
+    def _ray_tls(self) -> dict[str, str]:
+        """Ray's TLS: a CA and one leaf for every host's address (Ray checks the address it dials)."""
+        from kvferry.deploy.cluster_ca import ClusterCA
+        from kvferry.deploy.redis_server import write_private
+
+        tls = ClusterCA.create().issue([h.address for h in self.hosts.hosts] + ["127.0.0.1", "localhost"])
+        where = self.shared / "ray-tls"
+        where.mkdir(mode=0o700, exist_ok=True)
+        files = {
+            "RAY_TLS_CA_CERT": ("ca.pem", tls.ca),
+            "RAY_TLS_SERVER_CERT": ("cert.pem", tls.cert),
+            "RAY_TLS_SERVER_KEY": ("key.pem", tls.key),
+        }
+        env = {"RAY_USE_TLS": "1"}
+        for name, (file, pem) in files.items():
+            env[name] = str(write_private(where / file, pem.decode()))
+        return env
 
     @property
     def address(self) -> str:

@@ -10,6 +10,7 @@ show it did. Host D joins later as a standby node (the host-loss test).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ import yaml
 from cluster_helpers import Members, assert_released
 from test_cluster import greedy, random_prompt
 
+from kvferry.auth import TLS_ENVS
 from kvferry.deploy import testhosts
 from kvferry.deploy.testray import RayNode, RayOnHosts
 from kvferry.kvpool.metadata import MetadataStore
@@ -94,6 +96,10 @@ def mh(hosts, shared, monkeypatch_session):
         )
         router = ray.kvferry_up(shared / "cluster.yaml")
         redis_url = ray.controller(NAMESPACE, "full_redis_url")
+        tls = ray.controller(NAMESPACE, "operator_tls")  # internal TLS is on under Ray
+        assert set(tls) == set(TLS_ENVS)
+        for name, value in tls.items():
+            monkeypatch_session.setenv(name, value)
         members = Members(
             types.SimpleNamespace(redis_url=redis_url, cfg=types.SimpleNamespace(namespace=NAMESPACE))
         )
@@ -160,3 +166,66 @@ def test_a_prefix_prefilled_on_one_host_is_reused_on_another_through_the_pool(mh
     assert [a.token_ids for a in again] == [expected, expected]
     assert max(a.finished.pool_cached_tokens for a in again) >= 80, [a.finished for a in again]
     assert_released(mh.members, [a.request_id for a in (first, *again)])
+
+
+def capture(stop) -> bytes:
+    """Every frame on every interface of this (the observer's) namespace until `stop` is set: each
+    host's link ends here (a bridge device itself sees only what is addressed to it)."""
+    import socket
+
+    frames = []
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3)) as sniffer:  # ETH_P_ALL
+        sniffer.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                frames.append(sniffer.recv(1 << 16))
+    return frames
+
+
+def flow(frame: bytes) -> str:
+    """"src:port -> dst:port" of an Ethernet/IPv4/TCP frame."""
+    import socket
+    import struct
+
+    ip = frame[14:]
+    ports = struct.unpack("!HH", ip[(ip[0] & 15) * 4 :][:4])
+    return f"{socket.inet_ntoa(ip[12:16])}:{ports[0]} -> {socket.inet_ntoa(ip[16:20])}:{ports[1]}"
+
+
+def test_the_internal_plane_is_mutual_tls_and_the_secret_never_crosses_in_clear(mh, hosts):
+    import threading
+
+    import grpc
+
+    from kvferry.deploy.cluster_ca import ClusterCA
+    from kvferry.v1 import worker_pb2, worker_pb2_grpc
+
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as sniffing:
+        wire = sniffing.submit(capture, stop)
+        for seed in range(3):
+            assert mh.client.generate(greedy(random_prompt(300 + seed, 48), NEW_TOKENS), timeout=60).token_ids
+        stop.set()
+        frames = wire.result(timeout=10)
+    assert any(f"kvf:{NAMESPACE}:".encode() in f for f in frames)  # the capture works: Redis is plaintext
+    clear = sorted({flow(f) for f in frames if SECRET.encode() in f})
+    assert not clear, f"the cluster secret crossed a link in clear: {clear}"
+
+    decode = next(iter(MetadataStore(mh.redis_url, NAMESPACE).members("decode").values()))["addr"]
+    secret = (("x-kvferry-secret", SECRET),)
+    other = ClusterCA.create().issue()  # a certificate, but not from this cluster's CA
+    for name, creds in (
+        ("plaintext", None),
+        ("TLS, no certificate", grpc.ssl_channel_credentials(root_certificates=other.ca)),
+        ("another CA", grpc.ssl_channel_credentials(other.ca, other.key, other.cert)),
+    ):
+        options = [("grpc.ssl_target_name_override", "kvferry-cluster")]
+        with (
+            grpc.insecure_channel(decode) if creds is None else grpc.secure_channel(decode, creds, options)
+        ) as ch:
+            with pytest.raises(grpc.RpcError) as refused:
+                worker_pb2_grpc.DecodeWorkerStub(ch).GetStats(
+                    worker_pb2.WorkerStatsRequest(), timeout=5, metadata=secret
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, name
+    assert mh.members.stats("decode")  # with the cluster's certificate (the operator's): served
