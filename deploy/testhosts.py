@@ -9,8 +9,12 @@ Each host is
   so no same-host shortcut between hosts: a shared slab or a Unix socket of one host is not visible on
   another), its own hostname and `/etc/hosts` (every host's name -> its address, as a cluster's DNS);
 - a **CPU set**: everything started on it runs under `taskset` with the host's cores;
-- a **shaped link** (`shape`): rate with `tbf` on both ends of its veth (egress and ingress), delay and
-  loss with the NFQUEUE delay line of `linkdelay.py` (this kernel family often lacks netem).
+- a **shaped link** (`shape`): rate with `tbf` on both ends of its veth (both directions); delay and loss
+  on what the host receives, with the NFQUEUE delay line of `linkdelay.py` (this kernel family often
+  lacks netem; a delay on egress would starve the sender's TCP: TCP small queues charge a held packet
+  to its socket). One-way delay A -> B is B's `delay_ms`, a round trip A <-> B the sum of both.
+  Hosts keep the kernel's congestion control: under BBR a connection opened before a delay was added
+  runs slowly for up to 10 s (it keeps the RTT it saw that long).
 
 Processes start on a host with `Host.popen` / `Host.run` (`nsenter` into the holder's namespaces).
 Teardown (`TestHosts.down`, also on `with` exit and from the CLI) ends every process by the pids it
@@ -64,7 +68,8 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True)
 class LinkShape:
-    """One host's link: `rate_mbit` (0: unlimited) both ways, `delay_ms` and `loss` (0..1) on egress."""
+    """One host's link: `rate_mbit` (0: unlimited) both ways, `delay_ms` and `loss` (0..1) on what it
+    receives."""
 
     rate_mbit: float = 0.0
     delay_ms: float = 0.0
@@ -193,6 +198,17 @@ class TestHosts:
         _sh(*ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _sh(*ns, "link", "set", "eth0", "up")
         _sh(*ns, "link", "set", "lo", "up")
+        _sh(
+            "ip",
+            "netns",
+            "exec",
+            host.netns,
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv4.tcp_congestion_control=cubic",
+            check=False,
+        )
         etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
         script = (
             "set -e; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; mount -t tmpfs -o mode=1777 tmpfs /tmp;"
@@ -268,7 +284,7 @@ class TestHosts:
             host.delay_pid = proc.pid
             if "ready" not in (proc.stdout.readline() or ""):
                 raise HostsError(f"host {host.name}: the delay line did not start")
-            for argv in linkdelay.iptables_rules("eth0", host.index):
+            for argv in linkdelay.iptables_rules("eth0", host.index, ingress=True):
                 _sh(*inner, *argv)
         self._save()
 
@@ -312,7 +328,7 @@ def _stop_delay(host: Host) -> None:
     if host.delay_pid:
         from kvferry.deploy import linkdelay
 
-        for argv in linkdelay.iptables_rules("eth0", host.index, delete=True):
+        for argv in linkdelay.iptables_rules("eth0", host.index, delete=True, ingress=True):
             _sh("ip", "netns", "exec", host.netns, *argv, check=False)
         with contextlib.suppress(ProcessLookupError):
             os.kill(host.delay_pid, signal.SIGTERM)

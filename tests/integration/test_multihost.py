@@ -183,7 +183,7 @@ def capture(stop) -> bytes:
 
 
 def flow(frame: bytes) -> str:
-    """"src:port -> dst:port" of an Ethernet/IPv4/TCP frame."""
+    """ "src:port -> dst:port" of an Ethernet/IPv4/TCP frame."""
     import socket
     import struct
 
