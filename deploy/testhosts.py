@@ -198,17 +198,6 @@ class TestHosts:
         _sh(*ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _sh(*ns, "link", "set", "eth0", "up")
         _sh(*ns, "link", "set", "lo", "up")
-        _sh(
-            "ip",
-            "netns",
-            "exec",
-            host.netns,
-            "sysctl",
-            "-q",
-            "-w",
-            "net.ipv4.tcp_congestion_control=cubic",
-            check=False,
-        )
         etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
         script = (
             "set -e; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; mount -t tmpfs -o mode=1777 tmpfs /tmp;"
