@@ -81,6 +81,9 @@ class PoolSettings:
     disk_dir: str | None = None
     disk_max_gib: float = 0.0
     replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
+    # the longest wait on a pool peer within a transfer (a lost host, a partition): past it a get
+    # recomputes what did not arrive and a put counts as not stored
+    transfer_timeout_s: float = 10.0
     # a prefill puts each layer's finished blocks while the next layers compute: on | off | auto (on when
     # the prefill computes on a GPU: on CPU the transfer takes cores from the compute)
     stream_layers: str = "auto"
@@ -102,6 +105,8 @@ class PoolSettings:
                 f"pool.hot_window_s > 0; got {self.replicas}, {self.hot_replicas}, {self.hot_reads}, "
                 f"{self.hot_window_s}"
             )
+        if self.transfer_timeout_s <= 0:
+            raise ClusterConfigError(f"pool.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.disk_dir is not None and self.disk_max_gib <= 0:
             raise ClusterConfigError(
                 f"pool.disk_max_gib must be > 0 with pool.disk_dir, got {self.disk_max_gib}"

@@ -426,6 +426,9 @@ def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) 
         *([] if cfg.pool.shm else ["--no-shm"]),
         *("--hot-reads", str(cfg.pool.hot_reads), "--hot-window-s", str(cfg.pool.hot_window_s)),
         *("--hot-replicas", str(cfg.pool.hot_replicas)),
+        *("--transfer-timeout-s", str(cfg.pool.transfer_timeout_s)),
+        # a client writes into its reservation only in the first half of its life (the node checks)
+        *("--reserve-ttl-s", str(max(30.0, 3 * cfg.pool.transfer_timeout_s))),
         *disk,
     ]
 
@@ -449,6 +452,7 @@ def worker_argv(
         *_common(cfg, host),
         *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
         *("--kv-streaming", cfg.pool.stream_layers),
+        *("--kv-transfer-timeout-s", str(cfg.pool.transfer_timeout_s)),
         *engine_flags(engine),
     ]
 

@@ -31,6 +31,7 @@ from kvferry.deploy.testhosts import HostsError, TestHosts
 
 RAY_PORT = 6379
 READY = re.compile(r"ready: router at (\S+)")
+ANSWER = "kvferry-answer:"
 
 
 @dataclass(frozen=True)
@@ -134,10 +135,11 @@ class RayOnHosts:
             "import json, ray; from kvferry.deploy import ray_launch; "
             f"ray_launch.connect({self.address!r}, log_to_driver=False); "
             f"c = ray_launch.get_controller({namespace!r}); "
-            f"print(json.dumps(ray.get(c.{method}.remote(), timeout=60)))"
+            f"print({ANSWER!r}, json.dumps(ray.get(c.{method}.remote(), timeout=60)))"
         )
         done = self.run(self.head, [sys.executable, "-c", code], timeout=120)
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith(ANSWER))  # Ray logs here too
+        return json.loads(line[len(ANSWER) :])
 
     def kvferry(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         """`kvferry ARGS --address HEAD` on the head host (scale, down)."""

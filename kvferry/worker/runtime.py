@@ -49,6 +49,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "live): a block survives the death of all but one of them",
     )
     p.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=10.0,
+        help="the longest wait on a pool node within a transfer (a lost host, a partition): past it a "
+        "pull recomputes what did not arrive, a put counts as not stored",
+    )
+    p.add_argument(
         "--kv-streaming",
         choices=("auto", "on", "off"),
         default="auto",
@@ -136,6 +143,8 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     meta = MetadataStore(args.redis_url, args.namespace)
     if args.pool_replicas < 1:
         raise SystemExit(f"--pool-replicas must be >= 1, got {args.pool_replicas}")
+    if args.kv_transfer_timeout_s <= 0:
+        raise SystemExit(f"--kv-transfer-timeout-s must be > 0, got {args.kv_transfer_timeout_s}")
     pool = PoolClient(
         meta,
         kv_layout(engine),
@@ -143,6 +152,7 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
         host=args.host,
         device=str(engine.device),
         replicas=args.pool_replicas,
+        transfer_timeout_s=args.kv_transfer_timeout_s,
     )
     serving_timeouts(group, args.group_timeout_s)
     if cfg.tensor_parallel_size > 1 and group.rank > 0:

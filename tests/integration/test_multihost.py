@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import shutil
 import tempfile
+import time
 import types
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
-from cluster_helpers import Members, assert_released
+from cluster_helpers import Members, assert_released, wait_for
 from test_cluster import greedy, random_prompt
 
 from kvferry.auth import TLS_ENVS
 from kvferry.deploy import testhosts
+from kvferry.deploy.testhosts import LinkShape
 from kvferry.deploy.testray import RayNode, RayOnHosts
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout
@@ -67,7 +72,8 @@ def mh(hosts, shared, monkeypatch_session):
         "namespace": NAMESPACE,
         "cluster_secret": SECRET,
         "router": {"host": "0.0.0.0", "port": 50051, "http_port": 0, "routing": "least-load"},
-        "pool": {"per_ray_node": True, "memory_gib": 0.1},
+        # a pull from a host that went silent gives up after 4 s (the partition test lasts 10 s)
+        "pool": {"per_ray_node": True, "memory_gib": 0.1, "transfer_timeout_s": 4.0},
         "prefill": {
             "replicas": 2,
             "max_model_len": 1024,
@@ -111,6 +117,80 @@ def mh(hosts, shared, monkeypatch_session):
         ray.kvferry("down", "--ray", "--namespace", NAMESPACE, check=False)
     finally:
         ray.stop()
+
+
+@pytest.fixture(scope="module")
+def cases(mh, hf_greedy):
+    """Prompts (40-160 tokens) and their transformers greedy continuations."""
+    prompts = [random_prompt(500 + i, 40 + 15 * i) for i in range(8)]
+    return list(zip(prompts, hf_greedy(mh.model, prompts, NEW_TOKENS), strict=True))
+
+
+@dataclass
+class Tally:
+    """Outcomes of a run of requests: correct, failed cleanly (by status code), wrong tokens, hung."""
+
+    correct: int = 0
+    failed: Counter = field(default_factory=Counter)
+    wrong: int = 0
+    hung: int = 0
+    kv_waits: int = 0  # requests whose KV transfer took over a second
+    ids: list = field(default_factory=list, repr=False)
+
+    @property
+    def sent(self) -> int:
+        return self.correct + sum(self.failed.values()) + self.wrong + self.hung
+
+
+def drive(client, cases, seconds: float, tally: Tally | None = None, concurrency=3, timeout=60.0, pace_s=0.0):
+    """Send the cases round robin from `concurrency` threads for `seconds` (or until each was sent once,
+    with `pace_s` > 0: a thread then sends one request per `pace_s`), counting into `tally`; every
+    request has a deadline of `timeout` (one that passes it hung)."""
+    import threading
+
+    import grpc
+
+    tally, lock, end = tally or Tally(), threading.Lock(), time.monotonic() + seconds
+
+    def loop(worker: int) -> None:
+        for n in itertools.count(worker, concurrency):
+            if time.monotonic() > end or (pace_s and n >= len(cases)):
+                return
+            sent = time.monotonic()
+            prompt, expected = cases[n % len(cases)]
+            try:
+                got = client.generate(greedy(prompt, NEW_TOKENS), timeout=timeout)
+            except grpc.RpcError as err:
+                with lock:
+                    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        tally.hung += 1
+                    else:
+                        tally.failed[err.code().name] += 1
+                continue
+            with lock:
+                tally.ids.append(got.request_id)
+                tally.kv_waits += got.finished.timings.kv_transfer_ms > 1000
+                if got.token_ids == expected:
+                    tally.correct += 1
+                else:
+                    tally.wrong += 1
+            time.sleep(max(0.0, sent + pace_s - time.monotonic()))  # the load's pace, not a wait
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(loop, range(concurrency)))
+    return tally
+
+
+def fresh_members(mh) -> Members:
+    """Stubs of the members registered now (after a fault: the dead ones have left the registry)."""
+    ns = types.SimpleNamespace(redis_url=mh.redis_url, cfg=types.SimpleNamespace(namespace=NAMESPACE))
+    return Members(ns)
+
+
+def all_correct(mh, cases) -> list[str]:
+    got = [mh.client.generate(greedy(p, NEW_TOKENS), timeout=60) for p, _ in cases]
+    assert [g.token_ids for g in got] == [e for _, e in cases]
+    return [g.request_id for g in got]
 
 
 def kv_bytes(model: Path, prompt_tokens: int) -> int:
@@ -229,3 +309,90 @@ def test_the_internal_plane_is_mutual_tls_and_the_secret_never_crosses_in_clear(
                 )
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, name
     assert mh.members.stats("decode")  # with the cluster's certificate (the operator's): served
+
+
+def test_a_partition_between_the_decode_host_and_a_pool_host_heals(mh, hosts, cases, hf_greedy):
+    """10 s with no packet between C (decode) and B (a prefill worker and the pool node it writes to):
+    the decode worker cannot pull that KV, so it waits for the heal or recomputes it (or the request
+    fails cleanly); nothing is wrong, nothing waits past its deadline, and after the heal every request
+    is served again. Every prompt is new (a repeated one hits caches and hot copies, not B's node)."""
+    prompts = [random_prompt(10_000 + i, 33 + i % 48) for i in range(200)]
+    fresh = list(zip(prompts, hf_greedy(mh.model, prompts, NEW_TOKENS), strict=True))
+
+    def recomputed() -> int:
+        return sum(s.recomputed_tokens for s in mh.members.stats("decode").values())
+
+    with ThreadPoolExecutor(1) as load:
+        tally = Tally()
+        running = load.submit(drive, mh.client, fresh, 30.0, tally, 4, 60.0, 0.3)
+        wait_for(lambda: tally.correct >= 3, 30, "the load to be under way")
+        before = recomputed()
+        hosts.partition(hosts[C], hosts[B])
+        try:
+            time.sleep(10.0)  # the partition lasts 10 s
+        finally:
+            hosts.partition(hosts[C], hosts[B], on=False)
+        during = recomputed() - before
+        tally = running.result(timeout=120)
+    print("partition:", tally, "tokens the decode worker recomputed:", during)
+    assert tally.wrong == 0 and tally.hung == 0, tally
+    assert tally.correct >= tally.sent // 2, tally
+    # the decode worker's pulls from B's node timed out (4 s) and it recomputed those prompts
+    assert during > 0, "the partition never kept the decode worker from a pool node"
+    ids = all_correct(mh, cases)
+    members = fresh_members(mh)
+    try:
+        assert_released(members, tally.ids + ids)
+    finally:
+        members.close()
+
+
+def test_one_percent_loss_and_5ms_delay_on_every_link(mh, hosts, cases):
+    for i in (A, B, C):
+        hosts.shape(hosts[i], LinkShape(delay_ms=5, loss=0.01))
+    try:
+        tally = drive(mh.client, cases, 40.0)
+    finally:
+        for i in (A, B, C):
+            hosts.shape(hosts[i], LinkShape())
+    print("loss and delay:", tally)
+    assert tally.sent >= 20 and tally.correct == tally.sent, tally
+    assert_released(mh.members, tally.ids)
+
+
+def test_a_lost_host_is_replaced_by_ray_and_requests_fail_over(mh, hosts, cases):
+    """Host B (a prefill group, a pool node) is lost whole while serving: its processes die and its
+    link goes down. Requests fail over to the prefill on A (none wrong, none hung); Ray restarts B's
+    group on host D, a standby node; afterwards every request is correct and nothing is leaked."""
+    mh.ray.start({D: RayNode(2, {"prefill_host": 1, "decode_host": 1})})
+
+    def prefill_on(address: str) -> bool:
+        status = mh.ray.controller(NAMESPACE, "status")
+        return any(
+            u["role"] == "prefill" and u["state"] == "running" and {r["ip"] for r in u["ranks"]} == {address}
+            for u in status["units"]
+        )
+
+    with ThreadPoolExecutor(1) as load:
+        tally = Tally()
+        running = load.submit(drive, mh.client, cases, 20.0, tally)
+        wait_for(lambda: tally.correct >= 3, 30, "the load to be under way")
+        hosts.kill_host(hosts[B])
+        tally = running.result(timeout=120)
+    print("host lost:", tally)
+    assert tally.wrong == 0 and tally.hung == 0, tally
+    wait_for(lambda: prefill_on(hosts[D].address), 240, "Ray to restart B's prefill group on host D")
+    meta = MetadataStore(mh.redis_url, NAMESPACE)
+
+    def registered() -> set[str]:  # the hosts of the registered prefill workers and pool nodes
+        members = {**meta.members("prefill"), **meta.members("pool")}
+        return {info["addr"].rsplit(":", 1)[0] for info in members.values()}
+
+    survivors = {hosts[i].address for i in (A, C, D)}
+    wait_for(lambda: registered() == survivors, 60, "B's members to leave and D's to register")
+    members = fresh_members(mh)
+    try:
+        ids = all_correct(mh, cases)
+        assert_released(members, tally.ids + ids)
+    finally:
+        members.close()
