@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import itertools
+import os
 import shutil
 import tempfile
+import threading
 import time
 import types
 from collections import Counter
@@ -42,6 +44,10 @@ pytestmark = [
     pytest.mark.skipif(testhosts.unavailable() is not None, reason=str(testhosts.unavailable())),
 ]
 
+needs_iptables = pytest.mark.skipif(
+    shutil.which("iptables-legacy") is None and shutil.which("iptables") is None,
+    reason="partitions, delay and loss need iptables (apt-get install iptables)",
+)
 NAMESPACE = "mh"
 NEW_TOKENS = 12
 SECRET = "multihost-test-secret"
@@ -311,6 +317,7 @@ def test_the_internal_plane_is_mutual_tls_and_the_secret_never_crosses_in_clear(
     assert mh.members.stats("decode")  # with the cluster's certificate (the operator's): served
 
 
+@needs_iptables
 def test_a_partition_between_the_decode_host_and_a_pool_host_heals(mh, hosts, cases, hf_greedy):
     """10 s with no packet between C (decode) and B (a prefill worker and the pool node it writes to):
     the decode worker cannot pull that KV, so it waits for the heal or recomputes it (or the request
@@ -347,6 +354,7 @@ def test_a_partition_between_the_decode_host_and_a_pool_host_heals(mh, hosts, ca
         members.close()
 
 
+@needs_iptables
 def test_one_percent_loss_and_5ms_delay_on_every_link(mh, hosts, cases):
     for i in (A, B, C):
         hosts.shape(hosts[i], LinkShape(delay_ms=5, loss=0.01))
@@ -358,6 +366,105 @@ def test_one_percent_loss_and_5ms_delay_on_every_link(mh, hosts, cases):
     print("loss and delay:", tally)
     assert tally.sent >= 20 and tally.correct == tally.sent, tally
     assert_released(mh.members, tally.ids)
+
+
+def processes(hosts, indexes) -> dict[int, dict]:
+    """pid -> its open descriptors, sockets, threads and RSS, for every kvferry process on the hosts."""
+    out = {}
+    for i in indexes:
+        for pid in hosts[i].netns_pids():
+            with contextlib.suppress(OSError):
+                if b"kvferry" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+                out[pid] = {
+                    "host": hosts[i].name,
+                    "fds": len(fds),
+                    "sockets": sum(f.startswith("socket:") for f in fds),
+                    "threads": len(os.listdir(f"/proc/{pid}/task")),
+                    "rss_mb": int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096 >> 20,
+                }
+    return out
+
+
+def time_wait(hosts, indexes) -> dict[str, int]:
+    """TCP sockets in TIME_WAIT in each host's network namespace (ephemeral ports held)."""
+    out = {}
+    for i in indexes:
+        pids = hosts[i].netns_pids()
+        rows = Path(f"/proc/{pids[0]}/net/tcp").read_text().splitlines()[1:] if pids else []
+        out[hosts[i].name] = sum(row.split()[3] == "06" for row in rows)
+    return out
+
+
+def poisson(client, cases, rate: float, seconds: float, tally: Tally, threads: int = 48) -> None:
+    """Open-loop Poisson arrivals at `rate` per second for `seconds` (seeded), each checked."""
+    import random
+
+    import grpc
+
+    rng, lock = random.Random(26), threading.Lock()
+
+    def one(n: int) -> None:
+        prompt, expected = cases[n % len(cases)]
+        try:
+            got = client.generate(greedy(prompt, NEW_TOKENS), timeout=60)
+        except grpc.RpcError as err:
+            with lock:
+                key = "hung" if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else None
+                if key:
+                    tally.hung += 1
+                else:
+                    tally.failed[err.code().name] += 1
+            return
+        with lock:
+            tally.correct += got.token_ids == expected
+            tally.wrong += got.token_ids != expected
+
+    start = time.monotonic()
+    at = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for n in itertools.count():
+            at += rng.expovariate(rate)
+            if at > seconds:
+                break
+            time.sleep(max(0.0, start + at - time.monotonic()))  # the next arrival (open loop)
+            pool.submit(one, n)
+
+
+def test_a_long_run_at_80_percent_of_capacity_grows_no_sockets_threads_or_descriptors(mh, hosts, hf_greedy):
+    """The ephemeral-port class of failure: KVFERRY_SOAK_S (600) seconds of Poisson arrivals at 80% of
+    the rate the cluster sustains closed-loop; every kvferry process's descriptors, sockets and threads,
+    and each host's TIME_WAIT sockets, after a warm-up and at the end: no growth."""
+    seconds = float(os.environ.get("KVFERRY_SOAK_S", "600"))
+    prompts = [random_prompt(20_000 + i, 24 + i % 64) for i in range(64)]
+    soak_cases = list(zip(prompts, hf_greedy(mh.model, prompts, NEW_TOKENS), strict=True))
+    closed = drive(mh.client, soak_cases, 15.0, concurrency=8)
+    assert closed.correct == closed.sent, closed
+    rate = 0.8 * closed.sent / 15.0
+    warm = Tally()
+    poisson(mh.client, soak_cases, rate, 30.0, warm)
+    before, waits_before = processes(hosts, (A, B, C)), time_wait(hosts, (A, B, C))
+    tally = Tally()
+    poisson(mh.client, soak_cases, rate, seconds, tally)
+    wait_for(
+        lambda: all(s.running == 0 for s in mh.members.stats("decode").values()), 30, "the decode to drain"
+    )
+    after, waits_after = processes(hosts, (A, B, C)), time_wait(hosts, (A, B, C))
+    print(f"soak: {rate:.1f} req/s for {seconds:.0f} s: {tally}; TIME_WAIT {waits_before} -> {waits_after}")
+    for pid, b in sorted(before.items()):
+        a = after.get(pid)
+        print(
+            f"  {b['host']} pid {pid}: "
+            + ", ".join(f"{k} {b[k]} -> {a[k] if a else 'gone'}" for k in b if k != "host")
+        )
+    assert tally.wrong == 0 and tally.hung == 0 and not tally.failed and warm.correct == warm.sent, tally
+    assert set(after) == set(before), "a kvferry process died or appeared during the soak"
+    for pid, b in before.items():
+        a = after[pid]
+        assert a["fds"] <= b["fds"] + 8 and a["sockets"] <= b["sockets"] + 8, (b, a)
+        assert a["threads"] <= b["threads"] + 8, (b, a)
+    assert all(waits_after[h] <= waits_before[h] + 64 for h in waits_after), (waits_before, waits_after)
 
 
 def test_a_lost_host_is_replaced_by_ray_and_requests_fail_over(mh, hosts, cases):
