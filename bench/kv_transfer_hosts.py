@@ -1,9 +1,10 @@
 """`kv_transfer.py --hosts`: pool put/get between two emulated hosts vs raw gloo over the same link.
 
-Two hosts (`kvferry.deploy.testhosts`), each with one core of its own, its own /dev/shm and a link shaped
-with tbf at each rate: host 1 runs the clients (a prefill worker's puts, a decode worker's gets), host 2
-redis-server and the pool node, so every put and every get crosses the link (the same-host slab cannot
-be mapped from host 1: its /dev/shm is private; the run checks the clients did not map it). The
+Emulated hosts (`kvferry.deploy.testhosts`), each with its own /dev/shm and a link shaped with tbf at
+each rate: host 1 (core 0) runs the clients (a prefill worker's puts, a decode worker's gets), host 2
+(core 1) the pool node, host 3 (not pinned) redis-server, as a cluster's head would. Every put and every
+get crosses the link (the same-host slab cannot be mapped from host 1: its /dev/shm is private; the run
+checks the clients did not map it). The
 baseline is raw gloo between the same two namespaces over the same link: a pair group made the same
 way, the same message size (one transfer's blocks) and count, preallocated buffers, no pool logic. Each
 rate prints one JSON line; the link's byte counters show the KV crossed it.
@@ -103,15 +104,15 @@ def run_hosts(args, layout: BlockLayout, n_blocks: int) -> None:
     )
     nbytes, count = args.batch_blocks * layout.block_bytes, n_blocks // args.batch_blocks
     with (
-        TestHosts(2, ["0", "1"], prefix="kvxfer", subnet=7) as hosts,
+        TestHosts(3, ["0", "1", ""], prefix="kvxfer", subnet=7) as hosts,
         tempfile.TemporaryDirectory(dir="/var/tmp") as tmp,
     ):
-        clients, pool = hosts[1], hosts[2]
+        clients, pool, head = hosts[1], hosts[2], hosts[3]
         password = new_password()  # off loopback, redis admits only clients with its password
         # (the config in /var/tmp: each host has its own /tmp)
         conf = write_redis_config(Path(tmp) / "redis.conf", password)
-        pool.popen(redis_server_argv(pool.address, REDIS_PORT, config=conf), stdout=subprocess.DEVNULL)
-        url = wait_for_redis(pool.address, REDIS_PORT, time.monotonic() + 20, password=password)
+        head.popen(redis_server_argv(head.address, REDIS_PORT, config=conf), stdout=subprocess.DEVNULL)
+        url = wait_for_redis(head.address, REDIS_PORT, time.monotonic() + 20, password=password)
         pool.popen(
             [
                 py,
@@ -199,7 +200,7 @@ def run_hosts(args, layout: BlockLayout, n_blocks: int) -> None:
             print_result(
                 {
                     "link_gbit": gbit,
-                    "hosts": "clients on host 1 (core 0), pool node + redis on host 2 (core 1)",
+                    "hosts": "clients on host 1 (core 0), the pool node on host 2 (core 1), redis on host 3",
                     "total_mb": round(n_blocks * layout.block_bytes / 2**20),
                     "batch_blocks": args.batch_blocks,
                     "pool_put_gbps": round(got["pool_put_gbps"], 3),

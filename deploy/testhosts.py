@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -199,8 +200,16 @@ class TestHosts:
         _sh(*ns, "link", "set", "eth0", "up")
         _sh(*ns, "link", "set", "lo", "up")
         etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
+        # what lives under /tmp but every host must see (this checkout, the Python environment: a CI
+        # clone may sit there) is bound again over the private /tmp, by way of the private /dev/shm
+        keep = [shlex.quote(str(k)) for k in _kept_under_tmp()]
+        hide = "".join(
+            f"mkdir /dev/shm/.keep{i}; mount --bind {k} /dev/shm/.keep{i};" for i, k in enumerate(keep)
+        )
+        show = "".join(f"mkdir -p {k}; mount --bind /dev/shm/.keep{i} {k};" for i, k in enumerate(keep))
+        tmpfs = "mount -t tmpfs -o mode=1777 tmpfs"
         script = (
-            "set -e; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; mount -t tmpfs -o mode=1777 tmpfs /tmp;"
+            f"set -e; {tmpfs} /dev/shm; {hide} {tmpfs} /tmp; {show}"
             f"printf '{etc_hosts}' > /tmp/.hosts; mount --bind /tmp/.hosts /etc/hosts; hostname {host.name};"
             "echo ready; exec sleep infinity"
         )
@@ -243,6 +252,7 @@ class TestHosts:
 
         _stop_delay(host)
         inner = ("ip", "netns", "exec", host.netns)
+        pin = ("taskset", "-c", host.cpus) if host.cpus else ()
         for dev, where in ((host.veth, ()), ("eth0", inner)):
             _sh(*where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             if link.rate_mbit:
@@ -266,7 +276,8 @@ class TestHosts:
                 )
         if link.delay_ms or link.loss:
             proc = subprocess.Popen(
-                [*inner, *linkdelay.daemon_argv(host.index, link.delay_ms, link.loss, seed=host.index)],
+                # on the host's cores: a NIC's packet work (softirq) runs on its host too
+                [*inner, *pin, *linkdelay.daemon_argv(host.index, link.delay_ms, link.loss, seed=host.index)],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -310,6 +321,16 @@ class TestHosts:
         for pid in {*host.pids, *host.netns_pids()}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _kept_under_tmp() -> list[Path]:
+    """This checkout and the Python environment, where they sit under /tmp (hosts' /tmp is private)."""
+    checkout = Path(__file__).resolve().parents[1]
+    found = []
+    for path in (checkout, Path(sys.prefix).resolve()):
+        if path.is_relative_to("/tmp") and not any(path.is_relative_to(f) for f in found):
+            found.append(path)
+    return found
 
 
 def _stop_delay(host: Host) -> None:

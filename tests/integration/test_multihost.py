@@ -206,6 +206,40 @@ def kv_bytes(model: Path, prompt_tokens: int) -> int:
     return -(-prompt_tokens // 16) * layout.block_bytes
 
 
+def listening(hosts, indexes) -> list[tuple[str, str]]:
+    """(local address, owner's command line) of every listening TCP socket of a kvferry process (or its
+    redis-server) on the hosts: sockets matched to their processes by inode."""
+    import socket
+    import struct
+
+    out = []
+    for i in indexes:
+        owners = {}
+        for pid in hosts[i].netns_pids():
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if "kvferry" not in cmd and "redis-server" not in cmd:
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owners[link[8:-1]] = cmd
+        pid = hosts[i].netns_pids()[0]
+        for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                words = struct.unpack(f"<{len(raw) // 4}I", raw)  # /proc prints each 32-bit word host-endian
+                address = ipaddress.ip_address(
+                    socket.inet_ntop(family, struct.pack(f">{len(words)}I", *words))
+                )
+                address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:a.b.c.d is a.b.c.d
+                out.append((str(address), owners[fields[9]]))
+    return out
+
+
 def test_groups_land_on_their_hosts_and_nothing_advertises_loopback(mh, hosts):
     status = mh.ray.controller(NAMESPACE, "status")
     ips = {u["name"]: {r["ip"] for r in u["ranks"]} for u in status["units"]}
@@ -215,6 +249,13 @@ def test_groups_land_on_their_hosts_and_nothing_advertises_loopback(mh, hosts):
     assert on("decode") == {hosts[C].address}
     assert on("pool") == {hosts[A].address, hosts[B].address, hosts[C].address}  # one per Ray node
     assert on("router") == on("redis") == {hosts[A].address}
+    sockets = listening(hosts, (A, B, C))
+    assert len(sockets) >= 8, sockets  # router, redis, 2 prefill + 1 decode worker, 3 pool nodes at least
+    for address, owner in sockets:
+        if "router" in owner:
+            assert address in ("0.0.0.0", "::", hosts[A].address), (address, owner)  # 0.0.0.0 in the file
+        else:
+            assert address in {h.address for h in hosts.hosts}, f"{owner} listens on {address}"
     meta = MetadataStore(mh.redis_url, NAMESPACE)
     for role in ("prefill", "decode", "pool"):
         for member, info in meta.members(role).items():
