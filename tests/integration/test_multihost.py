@@ -69,8 +69,9 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def mh(hosts, shared, monkeypatch_session):
-    """The cluster: Ray on A, B, C; `kvferry up --ray --detach` from A; torn down after the module."""
+def mh(hosts, shared):
+    """The cluster: Ray on A, B, C; `kvferry up --ray --detach` from A; torn down after the module. This
+    process gets the cluster secret and an operator's certificate for the module only."""
     model = create_model("tiny", shared / "models" / "tiny")
     config = {
         "model": str(model),
@@ -97,7 +98,8 @@ def mh(hosts, shared, monkeypatch_session):
     }
     (shared / "cluster.yaml").write_text(yaml.safe_dump(config))
     ray = RayOnHosts(hosts, shared, head=A)
-    monkeypatch_session.setenv("KVFERRY_CLUSTER_SECRET", SECRET)  # this process's stubs of the workers
+    env = pytest.MonkeyPatch()
+    env.setenv("KVFERRY_CLUSTER_SECRET", SECRET)  # this process's stubs of the workers
     try:
         ray.start(
             {
@@ -111,7 +113,7 @@ def mh(hosts, shared, monkeypatch_session):
         tls = ray.controller(NAMESPACE, "operator_tls")  # internal TLS is on under Ray
         assert set(tls) == set(TLS_ENVS)
         for name, value in tls.items():
-            monkeypatch_session.setenv(name, value)
+            env.setenv(name, value)
         members = Members(
             types.SimpleNamespace(redis_url=redis_url, cfg=types.SimpleNamespace(namespace=NAMESPACE))
         )
@@ -123,6 +125,7 @@ def mh(hosts, shared, monkeypatch_session):
         ray.kvferry("down", "--ray", "--namespace", NAMESPACE, check=False)
     finally:
         ray.stop()
+        env.undo()
 
 
 @pytest.fixture(scope="module")
