@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_result
@@ -49,13 +50,11 @@ def run_pool_client(args, layout: BlockLayout) -> dict:
     warm = put.put("warm", [bytes([255]) * 16], pack_blocks(src, [0]), private=[True])
     get.get("warm", warm)
 
-    class NoBar:
-        def update(self) -> None:
-            pass
-
     best = (0.0, 0.0)
     for rep in range(args.repeats):
-        rates = measure_pool(put, get, src, dst, args.batch_blocks, bytes([args.tag, rep]), NoBar())
+        rates = measure_pool(
+            put, get, src, dst, args.batch_blocks, bytes([args.tag, rep]), tqdm(disable=True)
+        )
         best = (max(best[0], rates[0]), max(best[1], rates[1]))
     mapped = any(node.shm is not None for c in (put, get) for node in c.nodes.values())
     for c in (put, get):

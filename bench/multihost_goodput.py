@@ -40,7 +40,8 @@ from serving_goodput import c1
 
 from kvferry.deploy.testhosts import LinkShape, TestHosts
 from kvferry.deploy.testray import RayNode, RayOnHosts
-from kvferry.loadtest.metrics import Slo, goodput, read_records, summarize
+from kvferry.kernels.cpu import cpu_flags
+from kvferry.loadtest.metrics import Slo, goodput, read_records, span_s, summarize
 
 HTTP_PORT = 8000
 
@@ -72,18 +73,13 @@ def goodput_at(sweep_dir: Path, label: str, slo: Slo) -> float:
     rates, attainments = [], []
     for path in sorted((sweep_dir / label).glob("rate-*.jsonl"), key=lambda p: float(p.stem[5:])):
         records = read_records(path)
-        end = max((r.last_token or r.send) for r in records)
-        duration = max(end - min(r.send for r in records), 1e-9)
         rates.append(float(path.stem[5:]))
-        attainments.append(summarize(records, rates[-1], slo, duration).attainment)
+        attainments.append(summarize(records, rates[-1], slo, span_s(records)).attainment)
     return goodput(rates, attainments)
 
 
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags |= set(line.split(":", 1)[1].split())
+def cpu_label() -> str:
+    flags = cpu_flags()
     return "avx512_bf16" if "avx512_bf16" in flags else "avx512f" if "avx512f" in flags else "avx2"
 
 
@@ -149,7 +145,7 @@ def main() -> None:
     print_result(
         {
             "model": args.model,
-            "cpu": cpu_flags(),
+            "cpu": cpu_label(),
             "hosts": "frontend (router, redis, client; unpinned) + 2 single-core workers",
             "link": f"{args.link_gbit:g} Gbit/s, {args.delay_ms:g} ms",
             "slo": results["disagg"]["report"]["slo"],

@@ -40,6 +40,7 @@ import torch
 import yaml
 
 from kvferry.engine.engine import EngineConfig
+from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
 
@@ -83,7 +84,7 @@ class PoolSettings:
     replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
     # the longest wait on a pool peer within a transfer (a lost host, a partition): past it a get
     # recomputes what did not arrive and a put counts as not stored
-    transfer_timeout_s: float = 10.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     # a prefill puts each layer's finished blocks while the next layers compute: on | off | auto (on when
     # the prefill computes on a GPU: on CPU the transfer takes cores from the compute)
     stream_layers: str = "auto"
@@ -272,7 +273,7 @@ class ClusterConfig:
         token there and protects nothing)."""
         if self.internal_tls != "auto":
             return self.internal_tls == "on"
-        return ray or not _loopback(self.cluster_host)
+        return ray or not is_loopback(self.cluster_host)
 
     def groups(self, role: str) -> tuple[WorkerGroupSettings, ...]:
         value = getattr(self, role)
@@ -447,7 +448,8 @@ def _group(section: dict, role: str) -> WorkerGroupSettings:
     return WorkerGroupSettings(replicas=replicas, engine=section, resources=resources)
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """`host` is a loopback address (or localhost); a host name may resolve to one other hosts reach."""
     if host == "localhost":
         return True
     try:

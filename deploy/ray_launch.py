@@ -447,7 +447,7 @@ class Controller:
             self._create_actors(unit)
         unit.where = ray.get([s.where.remote() for s in unit.sups], timeout=self.cfg.startup_timeout_s)
         ip = unit.where[0]["ip"]
-        check_node_address(ip, sum(1 for n in ray.nodes() if n["Alive"]))
+        check_node_address(ip, alive_nodes())
         env = {SECRET_ENV: self.secret} if self.secret else {}
         files = None
         if unit.role == "redis":
@@ -673,19 +673,22 @@ def connect(address: str | None, **kwargs) -> None:
         ) from None
 
 
+def alive_nodes() -> int:
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
 def check_node_address(ip: str, nodes: int) -> None:
     """Refuse a component on a Ray node with a loopback address when the cluster has other nodes: they
     could not reach it (its hostname resolves to loopback, e.g. Debian's 127.0.1.1 line in /etc/hosts,
     and the node was started without --node-ip-address)."""
-    import ipaddress
+    from kvferry.deploy.config import is_loopback
 
-    with contextlib.suppress(ValueError):
-        if nodes > 1 and ipaddress.ip_address(ip).is_loopback:
-            raise LaunchError(
-                f"a Ray node has the loopback address {ip} in a cluster of {nodes} nodes, so the others "
-                "cannot reach what kvferry starts there: start that node with `ray start "
-                "--node-ip-address <its address on the cluster network>`"
-            )
+    if nodes > 1 and is_loopback(ip):
+        raise LaunchError(
+            f"a Ray node has the loopback address {ip} in a cluster of {nodes} nodes, so the others "
+            "cannot reach what kvferry starts there: start that node with `ray start "
+            "--node-ip-address <its address on the cluster network>`"
+        )
 
 
 def get_controller(namespace: str):
@@ -707,7 +710,7 @@ def up(cfg: ClusterConfig, detach: bool = False, say=print):
     from kvferry.deploy.config import cluster_config_to_dict
 
     cfg.validate()
-    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    nodes = alive_nodes()
     if nodes > 1 and os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
         say(
             f"warning: this Ray cluster has {nodes} nodes and Ray's TLS is off: the controller hands each "

@@ -45,12 +45,12 @@ CHANNEL_OPTIONS = [
 ]
 # ... and servers that accept those pings (by default gRPC answers pings more often than every 5 min
 # without data with GOAWAY "too_many_pings")
-SERVER_OPTIONS = [
-    *_MESSAGE_SIZES,
+SERVER_KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+SERVER_OPTIONS = [*_MESSAGE_SIZES, *SERVER_KEEPALIVE]
 
 
 def channel(target: str) -> grpc.Channel:

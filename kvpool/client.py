@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, PairLink, PoolError, Put
+from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, TRANSFER_TIMEOUT_S, PairLink, PoolError, Put
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.shm import SharedSlab, shm_host
 from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
@@ -97,7 +97,7 @@ class PoolClient:
         peer_id: str = "",
         host: str = "127.0.0.1",
         device: str = "cpu",
-        transfer_timeout_s: float = 10.0,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         shm: bool = True,
         reserve_blocks: int = RESERVE_BLOCKS,
         replicas: int = 1,

@@ -69,6 +69,7 @@ MAX_BLOCKS = (HEADER_BYTES - _FIXED.size - MAX_REQUEST_ID) // _BLOCK.size  # per
 IDLE = timedelta(days=365)  # waits between transfers (the peer's death ends them, not a timeout)
 ANSWER_TAG = 2**30  # put answers: ANSWER_TAG + k % 2**29 (transfer tags stay below 2**30)
 RETRY_S = 2.0  # after a failed connect, a node is not tried again for this long
+TRANSFER_TIMEOUT_S = 10.0  # the default longest wait on a peer within a transfer (clients and nodes)
 
 
 class PoolError(RuntimeError):

@@ -46,7 +46,16 @@ import torch
 import torch.distributed as dist
 
 from kvferry.kvpool.client import PoolClient
-from kvferry.kvpool.dataplane import COMMIT, GET, IDLE, Header, answer_tag, encode_answer, header_buffer
+from kvferry.kvpool.dataplane import (
+    COMMIT,
+    GET,
+    IDLE,
+    TRANSFER_TIMEOUT_S,
+    Header,
+    answer_tag,
+    encode_answer,
+    header_buffer,
+)
 from kvferry.kvpool.disk import DiskTier, copy_block
 from kvferry.kvpool.hot import HotBlocks, replicator
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
@@ -111,7 +120,7 @@ class PoolNodeConfig:
     # and the decode) is freed this long after it was written; a decode that pulls later recomputes it
     private_ttl_s: float = 20.0
     assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
-    transfer_timeout_s: float = 10.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     reserve_ttl_s: float = 30.0  # a client's reserved slots lapse this long after its last reserve or put
     max_reserve: int = 1024  # slots one Reserve hands out at most
     shm: bool = True  # on CPU, keep the slab in /dev/shm for same-host clients

@@ -131,6 +131,12 @@ class RateSummary:
         return row
 
 
+def span_s(records: Sequence[RequestRecord]) -> float:
+    """How long a rate's requests took: from the first send to the last token (> 0)."""
+    end = max((r.last_token or r.send) for r in records)
+    return max(end - min(r.send for r in records), 1e-9)
+
+
 def summarize(records: Sequence[RequestRecord], rate: float, slo: Slo, duration_s: float) -> RateSummary:
     """What one rate of a sweep achieved. `duration_s`: from the first send to the last token."""
     if duration_s <= 0:

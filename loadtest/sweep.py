@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvferry.loadtest.metrics import RateSummary, Slo, goodput, read_records, summarize
+from kvferry.loadtest.metrics import RateSummary, Slo, goodput, read_records, span_s, summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -155,9 +155,7 @@ def sweep_target(args, target: str, label: str, rates: list[float], slo: Slo, ba
         records = read_records(path)
         if not records:
             raise RuntimeError(f"no requests were recorded at rate {rate} (see {path.with_suffix('.log')})")
-        end = max((r.last_token or r.send) for r in records)
-        duration = max(end - min(r.send for r in records), 1e-9)
-        summaries.append(summarize(records, rate, slo, duration))
+        summaries.append(summarize(records, rate, slo, span_s(records)))
         bar.update(1)
         s = summaries[-1]
         bar.write(

@@ -62,7 +62,7 @@ from kvferry.router.http_server import start_http
 from kvferry.router.limits import check_limits
 from kvferry.router.metrics import RequestTrack, RouterMetrics
 from kvferry.router.prefix_routing import ROUTING_MODES, Choice, PrefillRouting, RoutingConfig
-from kvferry.rpc import SERVER_OPTIONS, aio_channel, hard_exit, service_names
+from kvferry.rpc import MAX_MESSAGE_BYTES, SERVER_KEEPALIVE, aio_channel, hard_exit, service_names
 from kvferry.settings import API_KEY_ENV, load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
 
@@ -631,9 +631,10 @@ def _bind(server: grpc.aio.Server, cfg: RouterConfig) -> int:
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> None:
     router = Router(cfg)
-    options = [  # a request is small (limits.py); only the receive side is bounded tighter; clients' pings
-        *(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+    options = [  # a request is small (limits.py); only the receive side is bounded tighter
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", cfg.max_request_bytes),
+        *SERVER_KEEPALIVE,  # clients' keepalive pings
     ]
     # API keys gate the public API (the cluster secret opens it too); without keys it is open, as HTTP is
     gate = server_interceptors(router.credentials, aio=True) if cfg.api_keys else []

@@ -23,6 +23,7 @@ from dataclasses import replace
 from kvferry.engine.args import add_engine_args, engine_config_from
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.kvpool.client import PoolClient
+from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
 from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.proc import settle_heap
@@ -51,7 +52,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-transfer-timeout-s",
         type=float,
-        default=10.0,
+        default=TRANSFER_TIMEOUT_S,
         help="the longest wait on a pool node within a transfer (a lost host, a partition): past it a "
         "pull recomputes what did not arrive, a put counts as not stored",
     )

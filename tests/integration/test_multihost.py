@@ -143,7 +143,6 @@ class Tally:
     failed: Counter = field(default_factory=Counter)
     wrong: int = 0
     hung: int = 0
-    kv_waits: int = 0  # requests whose KV transfer took over a second
     ids: list = field(default_factory=list, repr=False)
 
     @property
@@ -178,7 +177,6 @@ def drive(client, cases, seconds: float, tally: Tally | None = None, concurrency
                 continue
             with lock:
                 tally.ids.append(got.request_id)
-                tally.kv_waits += got.finished.timings.kv_transfer_ms > 1000
                 if got.token_ids == expected:
                     tally.correct += 1
                 else:
