@@ -12,6 +12,8 @@ compute, `kv_put_ms`: from the end of the compute to the pool's answer). The fig
 ratio is streaming / after-prefill in the same run and transport (< 1: streaming answers sooner).
 
     python bench/kv_streaming.py [--repeats 3] [--lengths 1024,4000]
+    python bench/kv_streaming.py --hosts [--rates 1,10] [--tokens 4000]   # P and D on emulated hosts
+                                                                        # (root; kv_streaming_hosts.py)
 
 Last line: one JSON object.
 """
@@ -101,7 +103,20 @@ def main() -> None:
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4000])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
+    ap.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the prefill and the decode on two emulated hosts (root; kv_streaming_hosts.py): TTFT and "
+        "the second token through the router at each --rates link",
+    )
+    ap.add_argument("--rates", default="1,10", help="with --hosts: link rates in Gbit/s")
+    ap.add_argument("--delay-ms", type=float, default=0.1, help="with --hosts: one-way link delay")
+    ap.add_argument("--tokens", type=int, default=4000, help="with --hosts: the prompt's length")
     args = ap.parse_args()
+    if args.hosts:
+        from kv_streaming_hosts import run_hosts
+
+        return run_hosts(args)
     model = str(bench_model_dir(args.model))
     log_dir = Path(tempfile.mkdtemp(prefix="kvferry-kv-streaming-"))
     transports = {"shm": True, "pair": False}

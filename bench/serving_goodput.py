@@ -41,6 +41,22 @@ def served_model(url: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
+def stream_times(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """One streamed greedy completion (ignore_eos): when it was sent and when each token with text
+    arrived (perf_counter seconds)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    sent, times = time.perf_counter(), []
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        for line in resp:
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return sent, times
+
+
 def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
     """Requests one at a time, each a fresh prompt (no prefix-cache hits): TTFT and TPOT medians in ms
     (the first request is a warm-up, not counted)."""
@@ -49,16 +65,7 @@ def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
     ttfts, tpots = [], []
     for i in range(requests + 1):
         prompt = torch.randint(100, 4000, (input_len,), generator=gen).tolist()
-        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True}
-        body |= {"temperature": 0, "stream": True}
-        request = urllib.request.Request(
-            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        sent, times = time.perf_counter(), []
-        with urllib.request.urlopen(request, timeout=300) as resp:
-            for line in resp:
-                if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                    times.append(time.perf_counter())
+        sent, times = stream_times(url, model, prompt, output_len)
         if i and len(times) > 1:
             ttfts.append((times[0] - sent) * 1e3)
             tpots.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
