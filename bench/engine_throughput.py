@@ -116,7 +116,7 @@ def main() -> None:
         {
             "dtype": str(engine.dtype).removeprefix("torch."),
             "weights_stored_as": str(engine.model.lm_head.dtype).removeprefix("torch."),
-            "cpu_kernels": engine.kernels,
+            "cpu_kernels": engine.cpu_kernels,
             "kvferry_out_tok_s": round(kvferry_tps, 1),
             "baseline_out_tok_s": round(baseline_tps, 1),
             "ratio": round(kvferry_tps / baseline_tps, 3),

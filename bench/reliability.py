@@ -1,6 +1,7 @@
-"""The fault-injection scenarios of tests/reliability/ as a report: one local cluster (2 prefill, 2 decode
-workers, 1 pool node, a router with --max-inflight 12, the cluster secret and an API key), every scenario
-(or those named) run on it in turn, each row of docs/reliability.md's table from one ScenarioResult.
+"""The fault-injection scenarios (`kvferry.deploy.fault_scenarios`, which tests/reliability/ runs too)
+as a report: one local cluster (2 prefill, 2 decode workers, 1 pool node, a router with --max-inflight
+12, the cluster secret and an API key), every scenario (or those named) run on it in turn, each row of
+docs/reliability.md's table from one ScenarioResult.
 
     python bench/reliability.py [--out DIR] [--scenarios kill-decode,fuzz,...] [--update-doc]
 
@@ -19,13 +20,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "reliability"))
-from fault_harness import FaultCluster, ScenarioResult, fixed_prompts, reference_tokens  # noqa: E402
-from fault_scenarios import MAX_INFLIGHT, SCENARIOS, Context  # noqa: E402
+from kvferry.deploy.fault_harness import FaultCluster, ScenarioResult, fixed_prompts, reference_tokens
+from kvferry.deploy.fault_scenarios import MAX_INFLIGHT, SCENARIOS, Context
+from kvferry.model.create import resolve_model
+from kvferry.settings import load_settings
 
-from kvferry.model.create import resolve_model  # noqa: E402
-from kvferry.settings import load_settings  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"

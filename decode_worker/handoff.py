@@ -65,6 +65,7 @@ class Stream:
     out: LoopQueue
     req: Request | None = None
     report: HandoffReport | None = field(default_factory=HandoffReport)  # None once sent
+    held: list[int] = field(default_factory=list)  # tokens not sent yet (EngineConfig.stream_interval)
 
 
 @dataclass

@@ -6,11 +6,12 @@ the engine) before it streams tokens; the engine loop polls them between steps. 
 before its stream finished (the client cancelled, or its deadline passed) aborts its request; an
 Abort call may also come before the Decode call it aborts (`EarlyAborts`). Every rank of an
 expert-parallel group serves its own requests and steps in lock-step with the others
-(`kvferry.worker.ep.LockStep`).
+(`kvferry.decode_worker.lockstep.LockStep`).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from collections import deque
@@ -20,15 +21,16 @@ import grpc
 
 from kvferry.convert import sampling_from_proto
 from kvferry.decode_worker.handoff import EarlyAborts, KVPull, LoopQueue, Stream
+from kvferry.decode_worker.lockstep import LockStep
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
-from kvferry.engine.request import InvalidRequestError, RequestStatus
+from kvferry.engine.request import InvalidRequestError
 from kvferry.kvpool.client import PoolClient, from_proto
+from kvferry.model.parallel import Comm, Parallel
 from kvferry.rpc import hard_exit
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
-from kvferry.worker.ep import LockStep
 from kvferry.worker.group import Group
-from kvferry.worker.runtime import run_worker
+from kvferry.worker.runtime import WorkerRole, run_worker
 from kvferry.worker.service import EngineWorker
 from kvferry.worker.stages import Done, TransferStage
 
@@ -48,7 +50,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             engine,
             self._on_outputs,
             idle_hook=self._poll,
-            on_error=self._fail_all,
+            on_error=self.fail_in_engine,
             sync=self.lockstep,
             step_interval_ms=engine.cfg.decode_step_interval_ms,
             on_sync_lost=lambda: hard_exit(1),
@@ -88,15 +90,11 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def active_ids(self) -> list[str]:
         return list(self.streams)
 
-    def load(self) -> dict:
-        bm, sched = self.engine.block_manager, self.engine.scheduler
-        return {
-            "inflight": len(self.streams),
-            "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(self.prealloc),
-            "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
-        }
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.streams
+
+    def queued(self) -> int:
+        return len(self.prealloc)
 
     # -- gRPC -----------------------------------------------------------------------------------------
     async def Decode(self, request, context):
@@ -140,9 +138,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return
         try:
-            if r.request_id in self.streams:
-                raise InvalidRequestError(f"request_id {r.request_id!r} is already decoding here")
-            stream.req = self.engine.make_request(None, params, list(r.prompt_token_ids), r.request_id)
+            stream.req = self.new_request(r, params, "decoding here")
         except InvalidRequestError as err:
             stream.out.put(err)
             return
@@ -151,7 +147,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
             self.engine.submit(stream.req)  # (its first message reports prefix-cache hits, no hand-off)
             return
-        stream.req.status = RequestStatus.WAITING_FOR_KV
+        self.engine.kv.await_kv(stream.req)  # the engine's from now on; scheduled once its KV is here
         self.prealloc.append(stream)
         self._start_pulls()
 
@@ -160,10 +156,9 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         finished, abandoned = self.transfer.poll()
         for done in finished:
             self._kv_ready(done)
-        for done in abandoned:  # aborted while its KV was on the way
+        for done in abandoned:  # aborted while its KV was on the way (the engine has finished it)
             pull = done.item
-            self.engine.block_manager.release(pull.local + pull.reserved)
-            self._finish(pull.stream, "abort")
+            self.engine.kv.release(pull.local + pull.reserved)
         return self._start_pulls() or bool(finished or abandoned)
 
     def _start_pulls(self) -> bool:
@@ -180,20 +175,20 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _reserve(self, stream: Stream) -> KVPull | None:
         """Take local hits and reserve blocks for the rest (None: not enough free blocks yet)."""
-        req, bm = stream.req, self.engine.block_manager
+        req, kv = stream.req, self.engine.kv
         locations = [from_proto(x) for x in stream.request.blocks]
-        bm.update_keys(req)
+        keys = kv.prompt_keys(req)
         usable = 0  # leading locations whose keys match ours (a different model's KV is never used)
-        for i, loc in enumerate(locations[: bm.blocks_needed(req.num_prompt_tokens)]):
-            if i < len(req.block_keys) and loc.key != req.block_keys[i]:
+        for i, loc in enumerate(locations[: kv.blocks_needed(req.num_prompt_tokens)]):
+            if i < len(keys) and loc.key != keys[i]:
                 break
             usable += 1
         locations = locations[:usable]
-        local = bm.take_cached(req.block_keys[: min(usable, len(req.block_keys))])
-        reserved = bm.reserve(len(locations) - len(local))
+        local = kv.hold_cached(keys[: min(usable, len(keys))])
+        reserved = kv.reserve(len(locations) - len(local))
         if reserved is None:
-            bm.release(local)
-            if bm.num_blocks - bm.num_free_blocks > 0:
+            kv.release(local)
+            if kv.blocks_in_use() > 0:
                 return None  # blocks free up as running requests finish
             local, reserved, locations = [], [], []  # could never fit: recompute instead
         return KVPull(stream, local, reserved, locations[len(local) :])
@@ -203,20 +198,19 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         started, n, request_id = time.perf_counter(), 0, pull.stream.request.request_id
         if pull.remote:
             try:  # any failure means: recompute what did not arrive (the request itself goes on)
-                cache = self.engine.runner.kv_cache
-                n = self.pool.pull_into_cache(request_id, pull.remote, cache, pull.reserved)
+                n = self.pool.pull_into_cache(request_id, pull.remote, self.engine.kv.cache, pull.reserved)
             except Exception as err:
                 log.warning("pulling KV of %s failed, recomputing: %s", request_id, err)
                 n = 0  # a partial landing is not trusted
         return n, (time.perf_counter() - started) * 1e3
 
     def _kv_ready(self, done: Done[KVPull]) -> None:
-        pull, bm = done.item, self.engine.block_manager
+        pull, kv = done.item, self.engine.kv
         stream, req = pull.stream, pull.stream.req
         served, pull_ms = done.value if done.error is None else (0, 0.0)
-        bm.release(pull.reserved[served:])
+        kv.release(pull.reserved[served:])
         blocks = pull.local + pull.reserved[:served]
-        bs = bm.block_size
+        bs = kv.block_size
         covered = min(stream.request.num_kv_tokens, len(blocks) * bs, req.num_prompt_tokens)
         report = stream.report
         report.kv_pull_ms = pull_ms
@@ -227,10 +221,10 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         self.counters["local_hit_tokens"] += min(len(pull.local) * bs, covered)
         self.counters["recomputed_tokens"] += report.recomputed_tokens
         if covered == 0:
-            bm.release(blocks)
+            kv.release(blocks)
             blocks = []
         report.kv_ready = time.perf_counter()
-        self.engine.add_with_kv(req, stream.request.first_token_id, blocks, covered)
+        kv.kv_arrived(req, stream.request.first_token_id, blocks, covered)
 
     # -- engine thread: outputs, failures, aborts -------------------------------------------------------
     def _on_outputs(self, outputs) -> None:
@@ -238,9 +232,12 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            msg = worker_pb2.DecodeResponse(
-                token_ids=out.new_token_ids, finish_reason=out.finish_reason or ""
-            )
+            stream.held += out.new_token_ids
+            first = stream.report is not None
+            if not (first or out.finished or len(stream.held) >= self.engine.cfg.stream_interval):
+                continue  # held for the next message (the first and the last go at once)
+            msg = worker_pb2.DecodeResponse(token_ids=stream.held, finish_reason=out.finish_reason or "")
+            stream.held = []
             report, stream.report = stream.report, None
             if report is not None:  # the first message
                 msg.kv_pull_ms = report.kv_pull_ms
@@ -255,21 +252,10 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             if out.finished:
                 self._forget(out.request_id)
 
-    def _fail_all(self, err: Exception) -> None:
-        """A step failed: the requests in the batch fail (the worker keeps serving new ones)."""
-        for request_id, stream in list(self.streams.items()):
-            if request_id not in self.engine.states:
-                continue  # not in the failed step (still in prealloc or transfer, or aborted there)
-            self.engine.abort(request_id)
-            self._forget(request_id)
-            stream.out.put(RuntimeError(f"engine step failed: {err}"))
-        self.leave_group_if_broken(err)
-
-    def _finish(self, stream: Stream, reason: str) -> None:
-        rid = stream.request.request_id
-        if self.streams.get(rid) is stream:  # (a newer call may have taken the id meanwhile)
-            self._forget(rid)
-        stream.out.put(worker_pb2.DecodeResponse(finish_reason=reason))
+    def failed(self, request_id: str, err: Exception) -> None:
+        stream = self.streams[request_id]
+        self._forget(request_id)
+        stream.out.put(err)
 
     def _forget(self, request_id: str) -> None:
         """The request's stream is over: the id is free, and an Abort that comes late leaves nothing."""
@@ -297,17 +283,43 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if stream in self.prealloc:
             self.prealloc.remove(stream)
             self._release_unpulled(stream)
-            self._finish(stream, "abort")
-        elif self.transfer.discard(request_id) is None:  # in a transfer: _poll frees its blocks
-            self.engine.abort(request_id)
+        else:  # in a transfer: _poll frees its blocks when it ends
+            self.transfer.discard(request_id)
+        self.engine.abort(request_id)  # its last message ("abort") goes out with the engine's outputs
         return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_worker(
-        "decode",
-        DecodeWorker,
-        lambda servicer, server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-        worker_pb2.DESCRIPTOR,
-        argv,
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-parallel-size", type=int, default=None, help="with --enable-expert-parallel")
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM spelling: --data-parallel-size M --enable-expert-parallel = --expert-parallel-size M",
     )
+
+
+def decode_engine_config(args: argparse.Namespace, cfg):
+    if args.enable_expert_parallel:
+        cfg = replace(cfg, expert_parallel_size=args.data_parallel_size or cfg.expert_parallel_size)
+    elif args.data_parallel_size not in (None, 1):
+        raise SystemExit("--data-parallel-size > 1 needs --enable-expert-parallel (decode groups are DP+EP)")
+    if cfg.tensor_parallel_size > 1:
+        raise SystemExit(
+            "decode groups are expert-parallel: use --expert-parallel-size, not tensor parallelism"
+        )
+    return cfg
+
+
+ROLE = WorkerRole(
+    name="decode",
+    servicer=DecodeWorker,
+    add_to_server=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+    descriptor=worker_pb2.DESCRIPTOR,
+    parallel=lambda comm: Parallel(Comm.single(), comm),  # expert-parallel; attention data-parallel
+    add_args=add_decode_args,
+    engine_config=decode_engine_config,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(ROLE, argv)

@@ -1,8 +1,8 @@
 """The fault-injection harness: a real local cluster, a load of greedy requests checked token by token
 against a reference, and a leak check once the cluster is idle again.
 
-Used by the pytest suite in this directory and by `bench/reliability.py` (which puts this directory on
-sys.path), so a figure in docs/reliability.md and a test failure come from the same code.
+Used by the pytest suite in tests/reliability/ and by `bench/reliability.py`, so a figure in
+docs/reliability.md and a test failure come from the same code.
 
 How one scenario reads: `FaultCluster.ensure(...)` the topology it needs -> `Load.submit(jobs)` ->
 wait until requests are in flight -> inject the fault (`kill`, `pause`, ...) -> `Load.wait()` -> leak
@@ -31,7 +31,7 @@ import grpc
 import redis
 import torch
 
-from kvferry import rpc
+import kvferry.rpc as rpc
 from kvferry.auth import SECRET_ENV
 from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster

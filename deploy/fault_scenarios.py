@@ -1,5 +1,5 @@
 """The fault-injection scenarios: each a function of (Context) -> ScenarioResult, run by the pytest suite
-(test_faults.py) and by `bench/reliability.py` (the table in docs/reliability.md).
+(tests/reliability/test_faults.py) and by `bench/reliability.py` (the table in docs/reliability.md).
 
 Every scenario waits for the cluster's whole topology first (the launcher restarts what an earlier
 scenario killed), so they run in any order on one cluster. A mid-load fault lands once a quarter of
@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from fault_harness import (
+
+import kvferry.rpc as rpc
+from kvferry.deploy.fault_harness import (
     PROMPT_LENS,
     FaultCluster,
     Job,
@@ -27,8 +29,6 @@ from fault_harness import (
     ScenarioResult,
     wait_for,
 )
-
-from kvferry import rpc
 from kvferry.v1 import generate_pb2, generate_pb2_grpc
 
 FAULT_REQUESTS = 32

@@ -451,7 +451,7 @@ def worker_argv(
         *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
         *_common(cfg, host),
         *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
-        *("--kv-streaming", cfg.pool.stream_layers),
+        *(("--kv-streaming", cfg.pool.stream_layers) if role == "prefill" else ()),
         *("--kv-transfer-timeout-s", str(cfg.pool.transfer_timeout_s)),
         *engine_flags(engine),
     ]

@@ -44,6 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode workers: step at most once per this interval while 4 or more requests run (bigger "
         "decode batches for the same weight reads; the spare time goes to whatever shares the cores)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="decode workers: stream a request's tokens this many per message after its first (fewer "
+        "messages for the router; the client gets them in bursts)",
+    )
 
 
 def engine_config_from(args) -> EngineConfig:

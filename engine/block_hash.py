@@ -1,8 +1,10 @@
 """Content-addressed block keys: key(i) = H(key(i-1), tokens of block i, model fingerprint).
 
-A key names the KV of one full block *and everything before it*, so equal keys mean equal KV. The
-fingerprint covers the model id, dtype and KV layout version: a mismatch is a cache miss, never wrong
-KV. Hashing is blake2b over fixed-width little-endian bytes, stable across processes and machines.
+The engine's prefix cache is keyed by them, and so is everything that holds KV for it elsewhere (the
+pool, the router's routing view), which import them from here. A key names the KV of one full block *and
+everything before it*, so equal keys mean equal KV. The fingerprint covers the checkpoint, the KV's
+numerics and the KV layout version: a mismatch is a cache miss, never wrong KV. Hashing is blake2b over
+fixed-width little-endian bytes, stable across processes and machines.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ KEY_BYTES = 16
 KV_LAYOUT_VERSION = 1
 
 
-def model_fingerprint(model_id: str, dtype: str, layout_version: int = KV_LAYOUT_VERSION) -> bytes:
-    text = f"{model_id}|{dtype}|kv-layout-v{layout_version}"
+def model_fingerprint(checkpoint_id: str, numerics: str, layout_version: int = KV_LAYOUT_VERSION) -> bytes:
+    """`checkpoint_id`: the weights' digest (model.loader.checkpoint_digest); `numerics`: the dtype the
+    KV is computed in, and the cache's where it differs ("torch.bfloat16/kv-torch.float32")."""
+    text = f"{checkpoint_id}|{numerics}|kv-layout-v{layout_version}"
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvferry.engine.block_hash import block_keys
 from kvferry.engine.request import Request
-from kvferry.kvpool.keys import block_keys
 
 
 @dataclass(slots=True)

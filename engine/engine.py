@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from kvferry.engine.block_hash import model_fingerprint
 from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.kv_handoff import KVHandoff
 from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
 from kvferry.engine.output import Completion, OutputState, RequestOutput
 from kvferry.engine.request import (
@@ -29,7 +31,6 @@ from kvferry.engine.request import (
 )
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.kernels.select import KERNEL_CHOICES, KernelsUnavailable, choose
-from kvferry.kvpool.keys import model_fingerprint
 from kvferry.model.config import (
     ModelConfig,
     ModelConfigError,
@@ -64,6 +65,10 @@ class EngineConfig:
     # a decode worker's engine loop steps at most once per this interval while 4 or more requests run
     # (engine.loop.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
     decode_step_interval_ms: float | None = None
+    # a decode worker streams a request's tokens this many at a time after its first message (the last
+    # message carries whatever is left): fewer messages for the router to relay (vLLM's and SGLang's
+    # --stream-interval), in bursts for the client
+    stream_interval: int = 1
 
     def validate(self) -> None:
         for name in (
@@ -72,6 +77,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "tensor_parallel_size",
             "expert_parallel_size",
+            "stream_interval",
         ):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,8 +105,9 @@ class EngineConfigError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, parallel: Parallel | None = None):
-        """`parallel`: this rank's TP/EP groups, whose sizes must match the config's degrees."""
+    def __init__(self, cfg: EngineConfig, parallel: Parallel | None = None, detokenize: bool = True):
+        """`parallel`: this rank's TP/EP groups, whose sizes must match the config's degrees.
+        `detokenize`: make the outputs' text (a worker sends token ids only: the router detokenizes)."""
         cfg.validate()
         parallel = parallel or Parallel.single()
         if (parallel.tp_size, parallel.ep_size) != (cfg.tensor_parallel_size, cfg.expert_parallel_size):
@@ -159,15 +166,12 @@ class LLMEngine:
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.block_manager
         )
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.detokenize = detokenize
         self.states: dict[str, OutputState] = {}
         self._ids = itertools.count()
-        self._aborted: list[OutputState] = []
+        self._ended: list[OutputState] = []  # finished outside a step (aborted, done on arrival)
         self.num_steps = 0
-        # called with each request that finishes, before its KV blocks are freed (the prefill worker
-        # copies the prompt's KV out here)
-        self.finish_hook: Callable[[Request], None] | None = None
-        # before a step's forward: the batch -> a callback run after each layer of it, or None
-        self.step_hook: Callable[[ScheduledBatch], Callable[[int], None] | None] | None = None
+        self.kv = KVHandoff(self)  # what the workers do with KV computed or used elsewhere
 
     def add_request(
         self,
@@ -182,8 +186,18 @@ class LLMEngine:
 
     def submit(self, req: Request) -> None:
         """Queue a request made by `make_request`."""
-        self.states[req.request_id] = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.track(req)
         self.scheduler.add(req)
+
+    def track(self, req: Request) -> OutputState:
+        """The output state of a request the engine takes on (`submit`, `kv.await_kv`)."""
+        tokenizer = self.tokenizer if self.detokenize else None
+        state = self.states[req.request_id] = OutputState(req, tokenizer, self.eos_ids, self.max_model_len)
+        return state
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the engine holds this request (queued, running, or waiting for its remote KV)."""
+        return request_id in self.states
 
     def make_request(
         self,
@@ -204,52 +218,46 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         return Request(request_id, ids, params)
 
-    def add_with_kv(self, req: Request, first_token: int, block_ids: list[int], num_kv_tokens: int) -> None:
-        """Add a request whose prompt KV already sits in `block_ids` (covering `num_kv_tokens` tokens)
-        and whose first output token was sampled elsewhere (decode of a disaggregated request).
-
-        It joins the waiting queue holding its blocks; the scheduler resumes it from `num_kv_tokens`
-        (a prompt whose KV is only partly there gets the rest recomputed here).
-        """
-        state = OutputState(req, self.tokenizer, self.eos_ids, self.max_model_len)
-        self.states[req.request_id] = state
-        req.block_ids = list(block_ids)
-        req.num_computed_tokens = num_kv_tokens
-        req.status = RequestStatus.WAITING
-        finished = state.add_token(first_token)
-        state.pending_ids = []  # the first token was already streamed by the prefill side
-        if finished is not None:
-            self.scheduler.finish(req, finished)
-            self._aborted.append(state)
-            return
-        self.scheduler.add(req)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its stream ends with finish_reason 'abort'. False if it is unknown."""
         state = self.states.get(request_id)
         if state is None or state.req.is_finished:
             return False
         self.scheduler.finish(state.req, RequestStatus.FINISHED_ABORTED)
-        self._aborted.append(state)
+        self._ended.append(state)
         return True
 
+    def finished_elsewhere(self, state: OutputState) -> None:
+        """A request that finished outside a step: its last output goes out with the next step's."""
+        self._ended.append(state)
+
+    def mirror_steps(self, send: Callable[[StepInputs], None] | None) -> None:
+        """Call send(inputs) with every step's forward inputs before computing them (a tensor-parallel
+        leader sends them to its followers, which `execute` them)."""
+        self.runner.broadcast_step = send
+
+    def execute(self, inputs: StepInputs) -> None:
+        """Compute one forward pass another rank scheduled (a tensor-parallel follower)."""
+        self.runner.execute(inputs)
+
     @property
-    def kernels(self) -> bool:
+    def cpu_kernels(self) -> bool:
         """Whether the C++ CPU kernels serve this engine (`kernel_backend == "cpu"`)."""
         return self.kernel_backend == "cpu"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._ended)
 
     def step(self, join: bool = False) -> list[RequestOutput]:
         """One scheduler step. `join`: run the forward pass even with nothing scheduled (an
         expert-parallel rank stepping in lock-step with busier ranks)."""
-        outputs = [self._finish_output(s) for s in self._aborted]
-        self._aborted = []
+        outputs = [self._finish_output(s) for s in self._ended]
+        self._ended = []
         batch = self.scheduler.schedule()
         if batch.work:
             model = self.runner.model
-            model.after_layer = None if self.step_hook is None else self.step_hook(batch)
+            layers = self.kv.layers_hook
+            model.after_layer = None if layers is None else layers(batch)
             try:
                 sampled = self.runner.run(batch)
             finally:
@@ -267,8 +275,8 @@ class LLMEngine:
             state = self.states[req.request_id]
             finished = state.add_token(sampled[req])
             if finished is not None:
-                if self.finish_hook is not None:
-                    self.finish_hook(req)
+                if self.kv.finished_hook is not None:
+                    self.kv.finished_hook(req)
                 self.scheduler.finish(req, finished)
                 outputs.append(self._finish_output(state))
             else:

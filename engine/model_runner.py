@@ -23,7 +23,7 @@ def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) ->
 @dataclass
 class StepInputs:
     """One forward pass, flattened: what a tensor-parallel leader sends its followers (as a GroupStep,
-    `kvferry.worker.tp`)."""
+    `kvferry.prefill_worker.tp`)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)

@@ -22,7 +22,7 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is finished."""
 
     WAITING = 0
-    WAITING_FOR_KV = 1
+    WAITING_FOR_REMOTE_KV = 1  # its prompt KV is being computed or pulled elsewhere
     RUNNING = 2
     PREEMPTED = 3
     FINISHED_STOPPED = 4

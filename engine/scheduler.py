@@ -8,6 +8,10 @@ computed again, for the logits (the model runner sends that token's K/V to its s
 blocks run out, the most recently admitted running request is preempted: its blocks are freed and it
 rejoins the front of the waiting queue to be recomputed (prefix-cache hits make that cheap). Queues a
 request passes through: waiting -> running -> (preempted -> waiting ->) finished.
+
+A request whose prompt KV is computed elsewhere (a disaggregated decode) starts in `awaiting_kv`
+(WAITING_FOR_REMOTE_KV, `park`): held, never scheduled, and finished like any other if aborted there.
+When its KV has landed in blocks it holds, `resume` queues it to go on after that KV.
 """
 
 from __future__ import annotations
@@ -41,9 +45,21 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: not schedulable yet
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def park(self, req: Request) -> None:
+        """Hold req until its prompt KV arrives from elsewhere (`resume`)."""
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.awaiting_kv[req.request_id] = req
+
+    def resume(self, req: Request) -> None:
+        """req's KV arrived (in req.block_ids, covering req.num_computed_tokens): queue it."""
+        del self.awaiting_kv[req.request_id]
+        req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -120,7 +136,7 @@ class Scheduler:
         """Remove req from whichever queue holds it and free its blocks."""
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif self.awaiting_kv.pop(req.request_id, None) is None and req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req)
         req.status = status

@@ -115,6 +115,7 @@ class PoolClient:
         self.replicas = replicas  # copies of each block a put stores (on distinct nodes, as many as live)
         # background reservations: blocking calls off the caller's thread
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-control")
+        self._refreshing = False  # a background registry read is queued (pick_nodes(wait=False))
         self.nodes: dict[str, _Node] = {}
         self._known: dict[str, dict] = {}  # node id -> last registry record seen
         self._known_at = -1e9
@@ -137,13 +138,26 @@ class PoolClient:
                     self._remap(node, members.get(node.node_id))
         return dict(self._known)
 
-    def pick_nodes(self, count: int | None = None) -> list[str]:
+    def _refresh_in_background(self) -> None:
+        try:
+            self.refresh(max_age_s=1.0)
+        finally:
+            self._refreshing = False
+
+    def pick_nodes(self, count: int | None = None, wait: bool = True) -> list[str]:
         """The nodes a put's copies go to: `count` (default: `replicas`) distinct live nodes, or all
         there are when fewer. First this host's node (its slab mapped: the put is a memcpy and crosses
         no link; a reader elsewhere pulls it once) while it has at least half the free slots of the
         emptiest node, so one busy host's node does not evict while others stand empty; then the
-        nodes with the most free slots."""
-        nodes = self.refresh(max_age_s=1.0)
+        nodes with the most free slots. `wait=False` (on an engine thread): never wait on Redis; the
+        registry as last read, refreshed in the background once over a second old."""
+        if wait or not self._known:  # (never read, or no node known: read now)
+            nodes = self.refresh(max_age_s=1.0)
+        else:
+            nodes = dict(self._known)
+            if time.monotonic() - self._known_at > 1.0 and not self._refreshing:
+                self._refreshing = True
+                self._control.submit(self._refresh_in_background)
         if not nodes:
             raise PoolError("no KV pool node is registered")
         free = {n: nodes[n].get("free_slots", 0) for n in nodes}
@@ -524,6 +538,18 @@ class PoolClient:
         """`MetadataStore.lookup`, each block the copy nearest this client."""
         self.refresh(max_age_s=1.0)
         return self.meta.lookup(keys, prefer=self.near)
+
+    def nearest(self, locations: Sequence[Location]) -> list[Location]:
+        """Locations another process looked up (the router), each block's copy nearest this client first,
+        as `lookup` would pick them (memory copies before a disk copy). No Redis call: the nodes this
+        client knows of are as of its last refresh."""
+        out = []
+        for loc in locations:
+            copies = loc.copies()
+            memory = sorted((c for c in copies if c.slot != DISK_SLOT), key=lambda c: self.near(c.node_id))
+            first, *rest = memory + [c for c in copies if c.slot == DISK_SLOT]
+            out.append(replace(first, replicas=tuple(rest)))
+        return out
 
     def release(self, request_id: str) -> int:
         """Drop a request's private blocks and leases on every known node."""

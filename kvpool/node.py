@@ -104,8 +104,14 @@ class Awaiting:
     deadline: float
 
 
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
 @dataclass(frozen=True)
 class PoolNodeConfig:
+    """A pool node's settings; its command-line flags are derived from these fields (`kvferry.flags`)."""
+
     node_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
@@ -116,21 +122,48 @@ class PoolNodeConfig:
     namespace: str = "default"
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
-    # a request's private tail block that nobody reads or releases (its router died between the prefill
-    # and the decode) is freed this long after it was written; a decode that pulls later recomputes it
-    private_ttl_s: float = 20.0
-    assemble_timeout_s: float = 30.0  # how long a block waits for the other ranks' KV-head slices
-    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
-    reserve_ttl_s: float = 30.0  # a client's reserved slots lapse this long after its last reserve or put
-    max_reserve: int = 1024  # slots one Reserve hands out at most
-    shm: bool = True  # on CPU, keep the slab in /dev/shm for same-host clients
-    disk_dir: str = ""  # the disk tier's directory ("" = none); one per node, kept across restarts
-    disk_max_gib: float = 0.0  # the disk tier's size
+    private_ttl_s: float = field(
+        default=20.0,
+        metadata=_help(
+            "free a request's private tail block this long after it was written if nobody read or "
+            "released it (its router died before the decode started)"
+        ),
+    )
+    assemble_timeout_s: float = field(
+        default=30.0, metadata=_help("how long a block waits for the other ranks' KV-head slices")
+    )
+    transfer_timeout_s: float = field(
+        default=TRANSFER_TIMEOUT_S,
+        metadata=_help("the longest wait on a peer's transfer (a client that died or hangs)"),
+    )
+    reserve_ttl_s: float = field(
+        default=30.0,
+        metadata=_help("slots a client reserved go back to the pool this long after its last reserve or put"),
+    )
+    max_reserve: int = field(default=1024, metadata=_help("slots one Reserve hands out at most"))
+    shm: bool = field(
+        default=True,
+        metadata=_help(
+            "keep the slab in /dev/shm for clients on this host (--no-shm: private memory, and those "
+            "clients use the pair group too)"
+        ),
+    )
+    disk_dir: str = field(
+        default="",
+        metadata=_help("spill evicted blocks to files here (one directory per node; kept across restarts)"),
+    )
+    disk_max_gib: float = field(default=0.0, metadata=_help("the disk tier's size (with --disk-dir)"))
     # hot blocks (`hot.py`): read over the network hot_reads times within hot_window_s, a block is copied
     # to other nodes until it has hot_replicas copies (hot_reads 0: off)
-    hot_reads: int = 8
+    hot_reads: int = field(
+        default=8,
+        metadata=_help(
+            "a block read over the network this many times within --hot-window-s is copied to other "
+            "nodes (0: never)"
+        ),
+    )
     hot_window_s: float = 60.0
-    hot_replicas: int = 2
+    hot_replicas: int = field(default=2, metadata=_help("copies a hot block gets"))
 
 
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
@@ -259,14 +292,6 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             if released:
                 self._wake()  # a put waiting for a freed slot's other slices stops
         return pool_pb2.ReleaseResponse(released=released)
-
-    def _heads(self, request, context) -> tuple[int, int]:
-        begin, end = request.head_begin, request.head_end or self.layout.num_kv_heads
-        try:
-            self.layout.check_heads(begin, end)
-        except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return begin, end
 
     def _wake(self) -> None:
         """Under the lock: a block was assembled or freed. Wake the restores waiting on one, and answer

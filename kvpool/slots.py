@@ -134,7 +134,7 @@ class SlotTable:
         self.reserve_expires: dict[str, float] = {}  # owner -> when its reservations lapse
         self.leases: Counter[str] = Counter()  # request id -> blocks it has leased now
         self.counters: Counter[str] = Counter()  # evictions, stale_gets, blocks_in, blocks_out
-        self.states: Counter[SlotState] = Counter({SlotState.FREE: num_slots})
+        self.in_state: Counter[SlotState] = Counter({SlotState.FREE: num_slots})
         self._expiry: list[tuple[float, int, int]] = []  # (expires, slot, generation), lazily deleted
 
     @property
@@ -448,10 +448,10 @@ class SlotTable:
             "num_slots": len(self.slots),
             "used_slots": len(self.slots) - len(self.free),
             "free_slots": self.available(),
-            "writing": self.states[SlotState.WRITING],
-            "reserved": self.states[SlotState.RESERVED],
-            "published": self.states[SlotState.PUBLISHED],
-            "private_blocks": self.states[SlotState.PRIVATE],
+            "writing": self.in_state[SlotState.WRITING],
+            "reserved": self.in_state[SlotState.RESERVED],
+            "published": self.in_state[SlotState.PUBLISHED],
+            "private_blocks": self.in_state[SlotState.PRIVATE],
             "leases": dict(self.leases),
             "blocks_in": self.counters["blocks_in"],
             "blocks_out": self.counters["blocks_out"],
@@ -482,7 +482,7 @@ class SlotTable:
             if s.request_id and s.state in (SlotState.WRITING, SlotState.PRIVATE)
         }
         assert tracked == owned, f"by_request {tracked} != {owned}"
-        assert +self.states == Counter(s.state for s in slots), "state counts"
+        assert +self.in_state == Counter(s.state for s in slots), "state counts"
         held = [i for ids in self.reserved.values() for i in ids]
         assert sorted(held) == [s.index for s in slots if s.state == SlotState.RESERVED], "reserved"
         due = {(e, i, g) for e, i, g in self._expiry}
@@ -493,8 +493,8 @@ class SlotTable:
 
     # -- internals -----------------------------------------------------------------------------------
     def _set_state(self, slot: Slot, state: SlotState) -> None:
-        self.states[slot.state] -= 1
-        self.states[state] += 1
+        self.in_state[slot.state] -= 1
+        self.in_state[state] += 1
         slot.state = state
         if self.on_change is not None:
             self.on_change(slot)

@@ -56,16 +56,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
-        self.kernels = False
+        self.cpu_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels:
+        if self.cpu_kernels:
             return cpu_ops().rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place); returns the normalised residual (vLLM's fused_add_rms_norm)."""
-        if self.kernels:
+        if self.cpu_kernels:
             return cpu_ops().add_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(residual.add_(x), self.weight, self.eps)
 

@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
-        self.kernels = False  # the C++ CPU kernels (`pack_weights`)
+        self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`)
         self.triton = False  # the Triton kernels (`use_triton`)
 
     def forward(
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        if self.kernels:  # norms, rotation and the K/V cache writes in one call
+        if self.cpu_kernels:  # norms, rotation and the K/V cache writes in one call
             qk = cpu_ops().qk_norm_rope_store(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, *kv,
                 meta.slot_blocks, meta.slot_offsets, hq,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
             qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
             write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
-        backend = "cpu" if self.kernels else "triton" if self.triton else "torch"
+        backend = "cpu" if self.cpu_kernels else "triton" if self.triton else "torch"
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend)
         return linear(out.reshape(t, hq * d), self.o)
 
@@ -113,10 +113,10 @@ class Qwen3MoeModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel | None = None):
         super().__init__()
-        self.kernels = False
+        self.cpu_kernels = False
         self.decode_weights: list[torch.Tensor] = []  # set by pack_weights where decode_layers can serve
         # called with a layer's index once its forward (and so its KV-cache write) is done: a prefill
-        # streams that layer's finished blocks to the pool meanwhile (LLMEngine.step_hook)
+        # streams that layer's finished blocks to the pool meanwhile (`engine.kv.on_layers`)
         self.after_layer: Callable[[int], None] | None = None
         self.cfg = cfg
         self.parallel = parallel = parallel or Parallel.single()
@@ -144,7 +144,7 @@ class Qwen3MoeModel(nn.Module):
             return self._decode_step(input_ids, positions, kv_cache, meta)
         x, residual = self._embed(input_ids), None
         rope = self.rotary(positions, x.dtype)
-        if self.kernels:  # [T, D] tables for the kernel
+        if self.cpu_kernels:  # [T, D] tables for the kernel
             rope = tuple(t.squeeze(1) for t in rope)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
@@ -198,8 +198,9 @@ class Qwen3MoeModel(nn.Module):
         from kvferry.kernels import cpu
 
         dtype = self.embed.dtype
-        if self.kernels or self.embed.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-            return self.kernels
+        on_cpu = self.embed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if self.cpu_kernels or not on_cpu:
+            return self.cpu_kernels
         if not cpu.load() or (dtype == torch.bfloat16 and not cpu.bf16_dot()):
             return False
         bf16_dot = dtype == torch.bfloat16
@@ -210,8 +211,8 @@ class Qwen3MoeModel(nn.Module):
                     setattr(module, name, pack(param, bf16_dot))
                 elif param.dtype != torch.float32:
                     setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
-            if hasattr(module, "kernels"):
-                module.kernels = True
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = True
         self.decode_weights = self._collect_decode_weights()
         return True
 

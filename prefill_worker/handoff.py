@@ -3,14 +3,18 @@
     admitted -> prefix lookup -> prefix pull -> prefilling -> KV write -> answered
                (pool metadata)  (pool -> cache)  (the engine)  (cache -> pool)
 
-- **prefix lookup** (`PrefixLookup`, transfer thread): which of the prompt's full blocks, past the
-  ones the worker's own prefix cache holds, the pool has (one Redis lookup).
-- **prefix pull** (`PrefixPull`, transfer thread): those blocks land in cache blocks reserved for
-  them; they are registered in the local prefix cache, so the scheduler simply sees a prefix hit.
+- **prefix lookup**: which of the prompt's full blocks the pool holds. The router looked them up
+  already and sent the answer with the request (its block keys too); only a request that comes
+  without it (a direct call) gets its own lookup (`PrefixLookup`, on the lookup thread: one Redis
+  lookup). Either way the request is looked up once, never on the engine thread.
+- **prefix pull** (`PrefixPull`, transfer thread): the pooled blocks past the ones the worker's own
+  prefix cache holds land in cache blocks reserved for them; they are registered in the local prefix
+  cache, so the scheduler simply sees a prefix hit.
 - **prefilling**: the request is in the engine (chunked prefill; one token sampled).
 - **KV write** (`KVWrite`, transfer thread): when the engine finishes the request, its prompt KV is
   copied out of the paged cache (before the blocks are freed) and the blocks the pool lacks are
-  written: full blocks shared by key, the partial tail as the request's private block. The pool's
+  written: full blocks shared by key (those the lookup did not find in the pool; the node drops a block
+  it completed meanwhile), the partial tail as the request's private block. The pool's
   reply answers the request at once (`PrefillJob.future`), with the first token and every block's
   location.
 
@@ -41,12 +45,13 @@ class PrefillJob:
     holder: list[int] = field(default_factory=list)  # local + pulled blocks, pinned until admission
     started: float = 0.0
     pool_hit_blocks: int = 0
+    pooled: list[Location] = field(default_factory=list)  # the lookup: the pool's leading blocks
 
 
 @dataclass
 class PrefixLookup:
     job: PrefillJob
-    keys: list[bytes]  # full-block keys past the local prefix-cache hits
+    keys: list[bytes]  # the prompt's full-block keys
 
 
 @dataclass
@@ -69,7 +74,7 @@ class KVWrite:
     private: list[bool]
     block_ids: list[int]
     data: torch.Tensor | None  # the blocks' bytes, copied out of the paged cache
-    node_id: list[str] | None  # a tensor-parallel group writes every rank's slice to the same nodes
+    nodes: list[str] | None  # a tensor-parallel group writes every rank's slice to the same nodes
     # blocks streamed layer by layer during the prefill (`streaming.py`): (prompt block indices, the
     # future of their locations), added to `write` when the KV write starts
     streamed: list

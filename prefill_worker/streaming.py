@@ -1,7 +1,7 @@
 """Layer-wise streaming of a prompt's KV to the pool while the prefill computes.
 
 Without it the prompt's KV goes to the pool after the last layer of the last chunk (`KVWrite`). With
-it, each step's forward pass calls back after every layer (`LLMEngine.step_hook`, the model's
+it, each step's forward pass calls back after every layer (`KVHandoff.on_layers`, the model's
 `after_layer`): the full prompt blocks that this step completes are final at that layer from then
 on, so that layer's slice of them is copied out of the paged cache and put to the pool
 (`PoolClient.put_async(layers=(l, l + 1))`) while the next layers compute; the pool node assembles
@@ -54,14 +54,14 @@ class _Part:
 
 
 class LayerStreamer:
-    """The prefill worker's `step_hook` (engine thread). `jobs` maps a request id to its `Streamed`
-    (created here) through `streams`; the worker takes it at finish (`take`)."""
+    """The prefill worker's layer hook (`engine.kv.on_layers`, engine thread). What each request streamed
+    is kept in `streams` (by request id) until the worker takes it at finish (`take`)."""
 
     def __init__(self, engine, pool: PoolClient, heads: tuple[int, int], active: Callable[[str], bool]):
         self.engine, self.pool, self.heads = engine, pool, heads
         self.active = active  # whether a request id is a prefill job of this worker
         self.streams: dict[str, Streamed] = {}
-        self.num_layers = engine.runner.kv_cache.shape[0]
+        self.num_layers = engine.kv.cache.shape[0]
 
     def take(self, request_id: str) -> Streamed | None:
         return self.streams.pop(request_id, None)
@@ -77,7 +77,7 @@ class LayerStreamer:
             streamed = self.streams.get(rid)
             if streamed is None:
                 try:
-                    streamed = Streamed(self.pool.pick_nodes())
+                    streamed = Streamed(self.pool.pick_nodes(wait=False))
                 except PoolError as err:
                     log.warning("no pool node to stream %s to: %s", rid, err)
                     continue
@@ -90,7 +90,7 @@ class LayerStreamer:
                 continue
             streamed.blocks += indices
             keys = [req.block_keys[i] for i in indices]
-            parts.append(_Part(rid, keys, [req.block_ids[i] for i in indices], streamed, indices))
+            parts.append(_Part(rid, keys, self.engine.kv.block_ids(req, indices), streamed, indices))
         if not parts:
             return None
         return lambda layer: self._put_layer(parts, layer)
@@ -102,7 +102,7 @@ class LayerStreamer:
             self._put_slices(parts, layer)
 
     def _put_slices(self, parts: list[_Part], layer: int) -> None:
-        cache = self.engine.runner.kv_cache
+        cache = self.engine.kv.cache
         last = layer == self.num_layers - 1
         for part in parts:
             if part.failed is None:

@@ -77,12 +77,7 @@ class TPLeader:
         self.active = group.size > 1
         self.last_command = time.monotonic()
         if self.active:  # the followers run each forward pass with us
-            engine.runner.broadcast_step = lambda step: self._send(
-                worker_pb2.GroupCommand(step=step_to_proto(step))
-            )
-
-    def _send_step(self, step: StepInputs) -> None:
-        self._send(worker_pb2.GroupCommand(step=step_to_proto(step)))
+            engine.mirror_steps(lambda step: self._send(worker_pb2.GroupCommand(step=step_to_proto(step))))
 
     def _send(self, cmd: worker_pb2.GroupCommand) -> None:
         self.last_command = time.monotonic()
@@ -136,7 +131,7 @@ class TPLeader:
 
 def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
     """A rank > 0: run the leader's commands in the order they come, until told to stop."""
-    comm, runner = group.comm, engine.runner
+    comm, cache = group.comm, engine.kv.cache
     shard = engine.model.shard
     heads = (shard.kv_heads.start, shard.kv_heads.stop)
     transfers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-follower")
@@ -146,7 +141,7 @@ def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
     def pull(p: worker_pb2.GroupPull) -> int:
         try:
             locations = [from_proto(x) for x in p.blocks]
-            return pool.pull_into_cache(p.request_id, locations, runner.kv_cache, list(p.block_ids), *heads)
+            return pool.pull_into_cache(p.request_id, locations, cache, list(p.block_ids), *heads)
         except Exception as err:
             log.warning("pulling KV slice of %s failed: %s", p.request_id, err)
             return 0
@@ -160,7 +155,7 @@ def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
         kind = cmd.WhichOneof("kind")
         if kind == "step":
             try:
-                runner.execute(step_from_proto(cmd.step))
+                engine.execute(step_from_proto(cmd.step))
             except Exception:  # rank 0 is now out of step with us: the group is broken
                 log.exception("forward pass failed on rank %d of group %s", group.rank, group.group_id)
                 hard_exit(1)
@@ -171,7 +166,7 @@ def follow(engine: LLMEngine, pool: PoolClient, group: Group) -> None:
             group_min(comm, future.result() if future is not None else 0)
         elif kind == "put" and shard.writes_kv:
             p = cmd.put
-            data = pack_blocks(runner.kv_cache, list(p.block_ids))  # now: the blocks are reused next step
+            data = pack_blocks(cache, list(p.block_ids))  # now: the blocks are reused next step
             transfers.submit(_put_slice, pool, p, data, heads)
         elif kind == "stop":
             transfers.shutdown(wait=True)

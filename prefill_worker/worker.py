@@ -4,11 +4,12 @@ A Prefill call moves through the stages of `prefill_worker.handoff` (prefix look
 prefilling -> KV write -> answered); the engine loop polls them between steps, and the call's handler
 (a coroutine on the server's event loop) awaits the job's answer. A call that ends before it is
 answered (cancelled, deadline) cancels its job. Rank 0 of a
-tensor-parallel group runs all of it and has the other ranks follow (`kvferry.worker.tp`).
+tensor-parallel group runs all of it and has the other ranks follow (`kvferry.prefill_worker.tp`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import logging
@@ -22,16 +23,18 @@ from kvferry.convert import sampling_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
-from kvferry.kvpool.client import PoolClient, PoolError, gather, to_proto
+from kvferry.kvpool.client import PoolClient, PoolError, from_proto, gather, to_proto
+from kvferry.kvpool.metadata import Location
 from kvferry.kvpool.transfer import pack_blocks
+from kvferry.model.parallel import Comm, Parallel
 from kvferry.prefill_worker.handoff import KVWrite, PrefillJob, PrefixLookup, PrefixPull
 from kvferry.prefill_worker.streaming import LayerStreamer, missing_on_failure
+from kvferry.prefill_worker.tp import TPLeader, follow
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 from kvferry.worker.group import Group
-from kvferry.worker.runtime import run_worker
+from kvferry.worker.runtime import WorkerRole, run_worker
 from kvferry.worker.service import EngineWorker
 from kvferry.worker.stages import Done, TransferStage
-from kvferry.worker.tp import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
         self.jobs: dict[str, PrefillJob] = {}  # admitted, not yet answered
-        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._poll, on_error=self._fail_all)
+        self.loop = EngineLoop(engine, self._on_outputs, idle_hook=self._poll, on_error=self.fail_in_engine)
         wake = self.loop.wake.set
         # Redis lookups on their own thread: a pull or a write on the transfer thread never delays one
         self.lookup_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
@@ -50,7 +53,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.pulls: TransferStage[PrefixPull] = TransferStage("prefix pull", self.transfers, wake)
         self.writes: TransferStage[KVWrite] = TransferStage("KV write", self.transfers, wake, self._answer)
         self.leader = TPLeader(self.group, engine)
-        engine.finish_hook = self._capture
+        engine.kv.on_finished(self._capture)
         kv = engine.model.shard.kv_heads  # this rank's KV heads: its slice of every pool block
         self.heads = (kv.start, kv.stop)
         self.streamer: LayerStreamer | None = None
@@ -65,7 +68,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.streamer = None
         if on and not self.leader.active:
             self.streamer = LayerStreamer(self.engine, self.pool, self.heads, self.jobs.__contains__)
-        self.engine.step_hook = None if self.streamer is None else self.streamer.hook
+        self.engine.kv.on_layers(None if self.streamer is None else self.streamer.hook)
 
     def stop(self) -> None:
         super().stop()
@@ -78,18 +81,11 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def active_ids(self) -> list[str]:
         return list(self.jobs)
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.jobs
+
     def idle(self) -> bool:
         return not self.jobs and not (self.lookups.items or self.pulls.items or self.writes.items)
-
-    def load(self) -> dict:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        return {
-            "inflight": len(self.jobs),
-            "waiting": len(sched.waiting),
-            "running": len(sched.running),
-            "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
-        }
 
     # -- gRPC -----------------------------------------------------------------------------------------
     async def Prefill(self, request, context):
@@ -113,7 +109,9 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     def _stats(self) -> worker_pb2.WorkerStats:
         c = self.counters
         return super()._stats(
-            prompt_tokens_computed=c["prompt_tokens_computed"], blocks_streamed=c["blocks_streamed"]
+            prompt_tokens_computed=c["prompt_tokens_computed"],
+            blocks_streamed=c["blocks_streamed"],
+            pool_lookups=c["pool_lookups"],
         )
 
     # -- engine thread: admission and the prefix stages -------------------------------------------------
@@ -124,27 +122,30 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             sampling_from_proto(request.sampling), max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True
         )
         try:
-            if request.request_id in self.jobs:
-                raise InvalidRequestError(f"request_id {request.request_id!r} is already in prefill")
-            req = e.make_request(None, params, list(request.prompt_token_ids), request.request_id)
+            req = self.new_request(request, params, "in prefill")
         except InvalidRequestError as err:
             job.future.set_exception(err)
             return
         job.req, job.started = req, time.perf_counter()
         self.jobs[req.request_id] = job
-        bm = e.block_manager
-        usable = req.num_prompt_tokens // bm.block_size  # all full blocks: a full hit computes the last token
-        if usable == 0 or not bm.enable_caching:
+        kv = e.kv
+        if request.looked_up:  # the router's lookup (a location gone since is a miss: recomputed)
+            job.pooled = self.pool.nearest([from_proto(x) for x in request.pooled])
+        # all full blocks (a full hit computes the last token)
+        if req.num_prompt_tokens < kv.block_size or not kv.caching:
             e.submit(req)
             return
-        bm.update_keys(req)
-        keys = req.block_keys[:usable]
-        job.holder = bm.take_cached(keys)
-        rest = keys[len(job.holder) :]
-        if not rest:
-            e.submit(req)
+        keys = kv.prompt_keys(req)
+        job.holder = kv.hold_cached(keys)
+        if request.looked_up:
+            self._pull_prefix(job, keys)
             return
-        self.lookups.start(req.request_id, PrefixLookup(job, rest), lambda: self.pool.lookup_prefix(rest))
+        self.lookups.start(req.request_id, PrefixLookup(job, keys), lambda: self._lookup(keys))
+
+    def _lookup(self, keys: list[bytes]):
+        """Lookup thread: where the pool holds the leading keys."""
+        self.counters["pool_lookups"] += 1
+        return self.pool.lookup_prefix(keys)
 
     def _poll(self) -> bool:
         """The engine loop's idle hook: move the requests whose transfers finished to their next stage
@@ -153,7 +154,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         pulled, abandoned = self.pulls.poll()
         for done in abandoned:  # aborted while pulling: the group still ends the pull together
             self.leader.pull_done(done.request_id, 0)
-            self.engine.block_manager.release(done.item.reserved)
+            self.engine.kv.release(done.item.reserved)
         for done in pulled:
             self._guarded(done.item.job, self._pulled, done)
         looked_up, _ = self.lookups.poll()
@@ -175,21 +176,26 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 job.future.set_exception(err)
 
     def _looked_up(self, done: Done[PrefixLookup]) -> None:
-        job, bm = done.item.job, self.engine.block_manager
+        job = done.item.job
         if done.error is not None:
             if not self._pool_failure(job, done.error, "prefix lookup"):
                 return
-            locations = []
         else:
-            locations = done.value
-        reserved = bm.reserve(len(locations)) if locations else None
-        if reserved is None:  # nothing pooled, or no room to pull it into: compute it all
+            job.pooled = done.value
+        self._pull_prefix(job, done.item.keys)
+
+    def _pull_prefix(self, job: PrefillJob, keys: list[bytes]) -> None:
+        """Pull the pooled blocks past the local prefix-cache hits (none: to the engine at once)."""
+        kv, start = self.engine.kv, len(job.holder)
+        locations = job.pooled[start:]
+        reserved = kv.reserve(len(locations)) if locations else None
+        if reserved is None:  # nothing more pooled, or no room to pull it into: compute the rest
             self.engine.submit(job.req)
             return
         rid = job.req.request_id
-        keys = done.item.keys[: len(locations)]
+        keys = keys[start : start + len(locations)]
         self.leader.pull(rid, locations, reserved)
-        cache = self.engine.runner.kv_cache
+        cache = kv.cache
         self.pulls.start(
             rid,
             PrefixPull(job, keys, locations, reserved),
@@ -197,12 +203,12 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         )
 
     def _pulled(self, done: Done[PrefixPull]) -> None:
-        pull, bm = done.item, self.engine.block_manager
+        pull, kv = done.item, self.engine.kv
         job = pull.job
         n = self.leader.pull_done(done.request_id, done.value if done.error is None else 0)
-        for block_id, key in zip(pull.reserved[:n], pull.keys, strict=False):
-            bm.register(block_id, key)
-        bm.release(pull.reserved[n:])
+        kv.arrived(pull.reserved[:n], pull.keys)
+        kv.release(pull.reserved[n:])
+        del job.pooled[len(job.holder) + n :]  # what was not served may be gone: written at the end
         job.holder += pull.reserved[:n]
         if done.error is not None and not self._pool_failure(job, done.error, "prefix pull"):
             return
@@ -223,10 +229,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
 
     # -- engine thread: the engine's outputs and the KV write -------------------------------------------
     def _on_outputs(self, outputs) -> None:
-        bm = self.engine.block_manager
+        kv = self.engine.kv
         for job in self.jobs.values():
             if job.holder and job.req.status != RequestStatus.WAITING:
-                bm.release(job.holder)  # admitted: the engine holds its own references now
+                kv.release(job.holder)  # admitted: the engine holds its own references now
                 job.holder = []
         for out in outputs:
             if out.finished and out.finish_reason == "abort":
@@ -238,30 +244,33 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         job = self.jobs.get(req.request_id)
         if job is None:
             return
-        bs = self.engine.cfg.block_size
+        kv_api = self.engine.kv
+        bs = kv_api.block_size
         num_full = req.num_prompt_tokens // bs
-        self.engine.block_manager.update_keys(req)
-        full_keys = req.block_keys[:num_full]
+        full_keys = kv_api.prompt_keys(req)
         streamed = None if self.streamer is None else self.streamer.take(req.request_id)
         done = set() if streamed is None else set(streamed.blocks)
-        locations = self.pool.lookup(full_keys)  # blocks the pool already holds are not re-sent
+        # blocks the lookup found in the pool are not re-sent (no second lookup here, on the engine
+        # thread: one the pool completed since is sent again, and the node drops the copy)
+        locations: list[Location | None] = list(job.pooled[:num_full])
+        locations += [None] * (num_full - len(locations))
         write = [i for i in range(num_full) if locations[i] is None and i not in done]
         tail = req.num_prompt_tokens % bs > 0
         if tail:
             write.append(num_full)
         keys = [full_keys[i] if i < num_full else os.urandom(16) for i in write]
         private = [i == num_full for i in write]
-        block_ids = [req.block_ids[i] for i in write]
-        data = pack_blocks(self.engine.runner.kv_cache, block_ids) if write else None
-        node_id = None
+        block_ids = kv_api.block_ids(req, write)
+        data = pack_blocks(kv_api.cache, block_ids) if write else None
+        nodes = None
         if write and self.leader.active:  # every rank sends its slice of the blocks to the same nodes
             try:
-                node_id = self.pool.pick_nodes()
+                nodes = self.pool.pick_nodes(wait=False)
             except PoolError as err:
                 log.warning("no pool node for %s: %s", req.request_id, err)
                 write, keys, private, block_ids, data = [], [], [], [], None
             else:
-                self.leader.put(req.request_id, node_id, keys, private, block_ids)
+                self.leader.put(req.request_id, nodes, keys, private, block_ids)
         cached = req.num_cached_tokens
         pool_hits = min(job.pool_hit_blocks * bs, cached)
         self.counters["requests"] += 1
@@ -277,7 +286,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             private=private,
             block_ids=block_ids,
             data=data,
-            node_id=node_id,
+            nodes=nodes,
             streamed=[] if streamed is None else streamed.futures,
             cached_tokens=cached,
             pool_cached_tokens=pool_hits,
@@ -293,7 +302,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         if kv.write:
             data, kv.data = kv.data, None  # sent once the call returns: the copy can go
             parts.append(
-                self.pool.put_async(kv.job.req.request_id, kv.keys, data, kv.private, kv.node_id, *self.heads)
+                self.pool.put_async(kv.job.req.request_id, kv.keys, data, kv.private, kv.nodes, *self.heads)
             )
         for indices, future in kv.streamed:  # the blocks streamed during the prefill: answered with these
             kv.write += indices
@@ -347,16 +356,11 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         return reply
 
     # -- engine thread: failures and cancellation -------------------------------------------------------
-    def _fail_all(self, err: Exception) -> None:
-        """A step failed: every request in the engine fails (the worker keeps serving new ones)."""
-        for request_id, job in list(self.jobs.items()):
-            if request_id not in self.engine.states:
-                continue  # not in the failed step (in a prefix stage, or finished and being written)
-            self.engine.abort(request_id)
-            self._drop(request_id)
-            if not job.future.done():
-                job.future.set_exception(RuntimeError(f"engine step failed: {err}"))
-        self.leave_group_if_broken(err)
+    def failed(self, request_id: str, err: Exception) -> None:
+        job = self.jobs.get(request_id)
+        self._drop(request_id)
+        if job is not None and not job.future.done():
+            job.future.set_exception(err)
 
     def _cancel(self, request_id: str, job: PrefillJob) -> None:
         """The call ended before its answer: drop its job (if that is still the request under this id).
@@ -383,15 +387,41 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         if self.streamer is not None:
             self.streamer.take(request_id)
         if job is not None and job.holder:
-            self.engine.block_manager.release(job.holder)
+            self.engine.kv.release(job.holder)
             job.holder = []
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_worker(
-        "prefill",
-        PrefillWorker,
-        lambda servicer, server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
-        worker_pb2.DESCRIPTOR,
-        argv,
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-streaming",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="put each layer of the finished blocks to the pool while the next layers compute (on), "
+        "after the prefill (off), or on when the engine runs on a GPU (auto: the default; on CPU the "
+        "transfer takes cores from the prefill and costs more than it saves)",
     )
+
+
+def prefill_engine_config(args: argparse.Namespace, cfg):
+    if cfg.expert_parallel_size > 1:
+        raise SystemExit(
+            "prefill groups are tensor-parallel: use --tensor-parallel-size, not expert parallelism"
+        )
+    return cfg
+
+
+ROLE = WorkerRole(
+    name="prefill",
+    servicer=PrefillWorker,
+    add_to_server=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+    descriptor=worker_pb2.DESCRIPTOR,
+    parallel=lambda comm: Parallel(comm, Comm.single()),  # tensor-parallel: every rank a head slice
+    add_args=add_prefill_args,
+    engine_config=prefill_engine_config,
+    configure=lambda servicer, args: servicer.stream_layers(args.kv_streaming),
+    follow=follow,  # ranks > 0 run rank 0's commands
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(ROLE, argv)

@@ -60,7 +60,9 @@ class _Record:
 
 
 @dataclass
-class PoolNode:
+class PoolMember:
+    """A pool node as the router's directory sees it (the node itself: kvpool.node.PoolNode)."""
+
     addr: str
     last_seen: float
     beat: dict  # its last heartbeat record (slab slots, for /metrics)
@@ -75,7 +77,7 @@ class Directory:
         self.refresh_s = refresh_s
         self.grace_s = grace_s
         self.members: dict[str, dict[str, Member]] = {role: {} for role in ROLES}
-        self.pool_nodes: dict[str, PoolNode] = {}
+        self.pool_nodes: dict[str, PoolMember] = {}
         self.model: worker_pb2.WorkerInfo | None = None
         self._rr = {role: itertools.count() for role in ROLES}
         self._task: asyncio.Task | None = None
@@ -139,7 +141,7 @@ class Directory:
             for node_id, info in nodes.items():
                 addr = info.get("addr")
                 if isinstance(addr, str) and addr:
-                    self.pool_nodes[node_id] = PoolNode(addr, now, info)
+                    self.pool_nodes[node_id] = PoolMember(addr, now, info)
                 else:
                     self._malformed_once("pool", node_id, info, "no addr")
             for node_id, node in list(self.pool_nodes.items()):

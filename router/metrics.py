@@ -81,6 +81,9 @@ class RouterMetrics:
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
         self.cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up.")
+        self.pool_lookups = counter(
+            "pool_lookups_total", "Lookups of block keys in the pool's metadata (one per request)."
+        )
         self.cache_hits = counter(
             "prefix_cache_hits_total",
             "Prompt tokens served by a cache.",
@@ -104,6 +107,9 @@ class RouterMetrics:
             )
             for kind, doc in (("predicted", "was expected to find cached"), ("actual", "found cached"))
         )
+
+    def pool_lookup(self) -> None:
+        self.pool_lookups.labels(self.model_name).inc()
 
     def routed(self, choice: Choice) -> None:
         """A prefill worker was chosen (each retry is a choice of its own)."""

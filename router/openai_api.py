@@ -134,6 +134,40 @@ class Fanout:
             task.cancel()
 
 
+class Gate:
+    """API keys first (nothing is read for a caller without one), then the body's size. A plain ASGI
+    middleware: Starlette's `@app.middleware("http")` would pass every chunk of a streamed response
+    through a queue of its own (CPU per token on the router)."""
+
+    def __init__(self, app, router: Router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refused = self.refuse(scope)
+            if refused is not None:
+                return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refuse(self, scope) -> JSONResponse | None:
+        cfg = self.router.cfg
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        if (
+            cfg.api_keys
+            and scope["path"] not in OPEN_PATHS
+            and self.router.credentials.check(headers) is not None
+        ):
+            return ApiError(
+                401, "missing or invalid API key (send the header 'Authorization: Bearer <key>')"
+            ).response()
+        length = next((v for k, v in headers if k == "content-length"), "")
+        if length.isdigit() and int(length) > cfg.max_request_bytes:
+            return ApiError(
+                413, f"the body has {length} bytes; at most {cfg.max_request_bytes} are accepted"
+            ).response()
+        return None
+
+
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry cluster")
     chat_template = ChatTemplate.from_dir(router.model_dir)
@@ -153,20 +187,7 @@ def build_app(router: Router) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        """API keys first (nothing is read for a caller without one), then the body's size."""
-        gated = router.cfg.api_keys and request.url.path not in OPEN_PATHS
-        if gated and router.credentials.check(request.headers.items()) is not None:
-            return ApiError(
-                401, "missing or invalid API key (send the header 'Authorization: Bearer <key>')"
-            ).response()
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > router.cfg.max_request_bytes:
-            return ApiError(
-                413, f"the body has {length} bytes; at most {router.cfg.max_request_bytes} are accepted"
-            ).response()
-        return await call_next(request)
+    app.add_middleware(Gate, router=router)
 
     @app.get("/health")
     async def health() -> Response:

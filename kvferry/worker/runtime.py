@@ -1,11 +1,13 @@
 """The worker process runtime both workers run: flags, group forming, the process main, drain.
 
-`python -m kvferry.prefill_worker` / `kvferry.decode_worker` call `run_worker` with their servicer.
-It forms the worker group (`kvferry.worker.group`), builds the engine and the pool client, serves the
-gRPC service (a grpc.aio server on its own thread, `kvferry.rpc.AioServer`), registers the worker in
-the Redis registry (role prefill|decode) with a heartbeat so the router finds it and notices when it
-dies or hangs (no re-registration while the engine loop is stalled), and on SIGTERM/SIGINT drains:
-the registry says it is draining, it finishes what it holds, then exits.
+`python -m kvferry.prefill_worker` / `kvferry.decode_worker` call `run_worker` with their `WorkerRole`:
+their servicer, and what only that role has (its own flags, its group's parallel layout, what a rank
+that serves nothing runs). Nothing here branches on the role. It forms the worker group
+(`kvferry.worker.group`), builds the engine and the pool client, serves the gRPC service (a grpc.aio
+server on its own thread, `kvferry.rpc.AioServer`), registers the worker in the Redis registry (role
+prefill|decode) with a heartbeat so the router finds it and notices when it dies or hangs (no
+re-registration while the engine loop is stalled), and on SIGTERM/SIGINT drains: the registry says it
+is draining, it finishes what it holds, then exits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvferry.engine.args import add_engine_args, engine_config_from
 from kvferry.engine.engine import EngineConfig, LLMEngine
@@ -30,7 +33,6 @@ from kvferry.proc import settle_heap
 from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
 from kvferry.worker.group import Group, form_group
 from kvferry.worker.service import EngineWorker, default_max_streams, kv_layout
-from kvferry.worker.tp import follow
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +57,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         default=TRANSFER_TIMEOUT_S,
         help="the longest wait on a pool node within a transfer (a lost host, a partition): past it a "
         "pull recomputes what did not arrive, a put counts as not stored",
-    )
-    p.add_argument(
-        "--kv-streaming",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="prefill: put each layer of the finished blocks to the pool while the next layers compute "
-        "(on), after the prefill (off), or on when the engine runs on a GPU (auto: the default; on CPU "
-        "the transfer takes cores from the prefill and costs more than it saves)",
     )
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument(
@@ -92,12 +86,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="on SIGTERM: stop taking requests and wait up to this long for the ones in flight",
     )
-    p.add_argument("--data-parallel-size", type=int, default=None, help="with --enable-expert-parallel")
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="vLLM spelling: --data-parallel-size M --enable-expert-parallel = --expert-parallel-size M",
-    )
     p.add_argument(
         "--rank",
         type=int,
@@ -108,39 +96,46 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-init", default="", help="HOST:PORT of the group's TCPStore (hosted by rank 0)")
 
 
-def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[str] | None) -> int:
+@dataclass(frozen=True)
+class WorkerRole:
+    """What a role's entry gives the runtime: its service, and what only that role has."""
+
+    name: str  # prefill | decode: the process is `python -m kvferry.<name>_worker`
+    servicer: Callable[..., EngineWorker]  # (engine, pool, worker_id, group)
+    add_to_server: Callable[[EngineWorker, object], None]
+    descriptor: object  # the service's protobuf file descriptor
+    parallel: Callable[[Comm], Parallel]  # this rank's TP/EP groups, from its worker group's comm
+    add_args: Callable[[argparse.ArgumentParser], None] = lambda p: None  # the role's own flags
+    # check the role's flags against the engine config and apply them (SystemExit with a message)
+    engine_config: Callable[[argparse.Namespace, EngineConfig], EngineConfig] = lambda args, cfg: cfg
+    # applied to the servicer before it serves
+    configure: Callable[[EngineWorker, argparse.Namespace], None] = lambda servicer, args: None
+    # a rank > 0 of a group whose rank 0 alone serves (tensor-parallel prefill) runs this instead
+    follow: Callable[[LLMEngine, PoolClient, Group], None] | None = None
+
+
+def worker_parser(role: WorkerRole) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m kvferry.{role.name}_worker")
+    add_worker_args(p)
+    role.add_args(p)
+    return p
+
+
+def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     """The worker process: parse its flags, form the group, build the engine and the pool client,
-    serve until SIGTERM/SIGINT, drain, stop. A rank > 0 of a tensor-parallel group serves nothing: it
-    follows rank 0's commands (`kvferry.worker.tp.follow`) until rank 0 stops it.
+    serve until SIGTERM/SIGINT, drain, stop. A rank > 0 of a group whose rank 0 alone serves (a
+    tensor-parallel prefill) serves nothing: it runs `role.follow` until rank 0 stops it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog=f"python -m kvferry.{role}_worker")
-    add_worker_args(p)
-    args = p.parse_args(argv)
-    cfg: EngineConfig = engine_config_from(args)
-    if args.enable_expert_parallel:
-        cfg = replace(cfg, expert_parallel_size=args.data_parallel_size or cfg.expert_parallel_size)
-    elif args.data_parallel_size not in (None, 1):
-        raise SystemExit("--data-parallel-size > 1 needs --enable-expert-parallel (decode groups are DP+EP)")
-    if role == "prefill" and cfg.expert_parallel_size > 1:
-        raise SystemExit(
-            "prefill groups are tensor-parallel: use --tensor-parallel-size, not expert parallelism"
-        )
-    if role == "decode" and cfg.tensor_parallel_size > 1:
-        raise SystemExit(
-            "decode groups are expert-parallel: use --expert-parallel-size, not tensor parallelism"
-        )
-    group_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    group, cfg = form_group(args, cfg, role, group_id, argv)
+    args = worker_parser(role).parse_args(argv)
+    cfg: EngineConfig = role.engine_config(args, engine_config_from(args))
+    group_id = args.worker_id or f"{role.name}-{uuid.uuid4().hex[:8]}"
+    group, cfg = form_group(args, cfg, role.name, group_id, argv)
     worker_id = group.member_id()
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {role} {worker_id} %(levelname)s %(message)s"
+        level=logging.INFO, format=f"%(asctime)s {role.name} {worker_id} %(levelname)s %(message)s"
     )
-    comm = group.comm
-    parallel = (
-        Parallel(comm, Comm.single()) if cfg.tensor_parallel_size > 1 else Parallel(Comm.single(), comm)
-    )
-    engine = LLMEngine(cfg, parallel)
+    engine = LLMEngine(cfg, role.parallel(group.comm), detokenize=False)  # the router makes the text
     meta = MetadataStore(args.redis_url, args.namespace)
     if args.pool_replicas < 1:
         raise SystemExit(f"--pool-replicas must be >= 1, got {args.pool_replicas}")
@@ -156,20 +151,21 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
         transfer_timeout_s=args.kv_transfer_timeout_s,
     )
     serving_timeouts(group, args.group_timeout_s)
-    if cfg.tensor_parallel_size > 1 and group.rank > 0:
+    if group.rank > 0 and role.follow is not None:
         # rank 0 tells this rank when to stop (after its drain); a signal here would break the group
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         try:
-            follow(engine, pool, group)
+            role.follow(engine, pool, group)
         finally:
             pool.close()
         hard_exit(0)
-    servicer = make_servicer(engine, pool, worker_id, group)
+    servicer = role.servicer(engine, pool, worker_id, group)
     servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
-    if role == "prefill":
-        servicer.stream_layers(args.kv_streaming)
-    server = AioServer(lambda s: add_to_server(servicer, s), service_names(descriptor), args.host, args.port)
+    role.configure(servicer, args)
+    server = AioServer(
+        lambda s: role.add_to_server(servicer, s), service_names(role.descriptor), args.host, args.port
+    )
     addr = f"{args.host}:{server.port}"
 
     def info() -> dict:
@@ -179,7 +175,7 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     def stalled() -> str | None:
         return stall_reason(servicer, args.stall_timeout_s)
 
-    heartbeat = Heartbeat(meta, role, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s, stalled)
+    heartbeat = Heartbeat(meta, role.name, worker_id, info, args.heartbeat_s, 5 * args.heartbeat_s, stalled)
     stop = servicer.drain_requested
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -188,7 +184,9 @@ def run_worker(role: str, make_servicer, add_to_server, descriptor, argv: list[s
     heartbeat.start()
     settle_heap()
     server.set_serving()
-    log.info("%s worker %s serving on %s (open calls <= %d)", role, worker_id, addr, servicer.max_streams)
+    log.info(
+        "%s worker %s serving on %s (open calls <= %d)", role.name, worker_id, addr, servicer.max_streams
+    )
     stop.wait()
     drain(servicer, heartbeat, args.drain_timeout_s)
     watchdog = threading.Timer(SHUTDOWN_S, _shutdown_stuck)  # whatever hangs, the process ends

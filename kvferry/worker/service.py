@@ -23,6 +23,7 @@ import grpc
 
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop, EngineStopped
+from kvferry.engine.request import InvalidRequestError, Request
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
@@ -71,6 +72,52 @@ class EngineWorker:
     def active_ids(self) -> list[str]:
         raise NotImplementedError
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a call of this id is being served here."""
+        raise NotImplementedError
+
+    def queued(self) -> int:
+        """Requests held here that the engine has not taken yet (reported as waiting)."""
+        return 0
+
+    def load(self) -> dict:
+        """What the registry record says of the worker's load (the router's view of it)."""
+        kv = self.engine.kv.load()
+        return {
+            "inflight": len(self.active_ids()),
+            "waiting": kv["waiting"] + self.queued(),
+            "running": kv["running"],
+            "free_blocks": kv["free_blocks"],
+            "total_blocks": kv["total_blocks"],
+        }
+
+    def new_request(self, request, params, what: str) -> Request:
+        """The engine request of a call (`request`: its PrefillRequest / DecodeRequest), with the block
+        keys the router hashed when they were hashed for this model. Raises InvalidRequestError (an id
+        already served here: `what` says where; or the engine's validation)."""
+        rid = request.request_id
+        if self.holds(rid):
+            raise InvalidRequestError(f"request_id {rid!r} is already {what}")
+        req = self.engine.make_request(None, params, list(request.prompt_token_ids), rid)
+        if request.keys.fingerprint == self.engine.fingerprint:  # hashed by the router: not again here
+            self.engine.kv.adopt_keys(req, request.keys.block_keys)
+        return req
+
+    def fail_in_engine(self, err: Exception) -> None:
+        """A step failed: the requests the engine holds fail (those whose KV is still on the way are
+        not in any step, and go on); the worker keeps serving new ones."""
+        for request_id in self.active_ids():
+            engine = self.engine
+            if not engine.has_request(request_id) or engine.kv.awaiting(request_id):
+                continue
+            engine.abort(request_id)
+            self.failed(request_id, RuntimeError(f"engine step failed: {err}"))
+        self.leave_group_if_broken(err)
+
+    def failed(self, request_id: str, err: Exception) -> None:
+        """Forget a request and fail its call with `err` (engine thread)."""
+        raise NotImplementedError
+
     def start_drain(self) -> None:
         self.draining = True
 
@@ -90,7 +137,7 @@ class EngineWorker:
             self.group.rank,
             err,
         )
-        time.sleep(0.5)  # let the handler threads send the failed requests their errors
+        time.sleep(0.5)  # let the server's event loop send the failed requests their errors
         self.group.stop_children(timeout_s=2)
         hard_exit(1)
 
@@ -131,6 +178,7 @@ class EngineWorker:
     def _stats(self, **extra) -> worker_pb2.WorkerStats:
         """The counters and engine figures every worker reports (runs on the engine thread)."""
         e, c = self.engine, self.counters
+        kv = e.kv.load()
         return worker_pb2.WorkerStats(
             requests=c["requests"],
             pool_hit_tokens=c["pool_hit_tokens"],
@@ -138,10 +186,10 @@ class EngineWorker:
             blocks_put=c["blocks_put"],
             blocks_pulled=c["blocks_pulled"],
             recomputed_tokens=c["recomputed_tokens"],
-            running=len(e.scheduler.running),
-            waiting=len(e.scheduler.waiting),
-            free_blocks=e.block_manager.num_free_blocks,
-            total_blocks=e.block_manager.num_blocks,
+            running=kv["running"],
+            waiting=kv["waiting"],
+            free_blocks=kv["free_blocks"],
+            total_blocks=kv["total_blocks"],
             active_request_ids=sorted(self.active_ids()),
             steps=e.num_steps,
             group=self.group.group_id,

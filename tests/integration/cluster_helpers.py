@@ -1,8 +1,10 @@
-"""What several integration test modules use: waiting on a condition, the cluster's members, leak checks."""
+"""What several integration test modules use: waiting on a condition, the cluster's members, leak checks,
+the router's /metrics."""
 
 from __future__ import annotations
 
 import time
+import urllib.request
 
 from kvferry import rpc
 from kvferry.kvpool.metadata import MetadataStore
@@ -61,3 +63,15 @@ def assert_released(members, request_ids):
         return all(not (set(p.leases) & set(request_ids)) and p.private_blocks == 0 for p in pool.values())
 
     wait_for(clean, 30, "workers and pool to release the requests")
+
+
+def metric(cluster, name: str, **labels) -> float:
+    """A series of the router's /metrics summed over the label sets that match `labels`."""
+    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(w in line for w in want)
+    )

@@ -8,14 +8,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from cluster_helpers import assert_released, wait_for
+from cluster_helpers import assert_released, metric, wait_for
+from conftest import ENGINE, make_cluster_config
 
 from kvferry.convert import sampling_to_proto
+from kvferry.deploy.config import WorkerGroupSettings
+from kvferry.deploy.local import LocalCluster
+from kvferry.engine.block_hash import block_keys
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
-from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.router.client import build_request
+from kvferry.router.client import Client, build_request
 from kvferry.v1 import pool_pb2, worker_pb2
 
 pytestmark = pytest.mark.slow
@@ -116,6 +119,29 @@ def test_shared_prefix_hits_its_worker_or_comes_from_the_pool(client, members, e
     for pool in members.pool.values():  # drop its private tail block, as the router would
         pool.Release(pool_pb2.ReleaseRequest(request_id="pull-me"), timeout=10)
     assert_released(members, ["pull-me"])
+
+
+def test_one_pool_lookup_per_request(client, members, cluster, engine):
+    """The router hashes a prompt's blocks and looks them up in the pool once; the prefill worker
+    uses both (no lookup of its own, none on its engine thread), and so does the decode worker. A
+    direct Prefill call, which brings no lookup, gets one of its own."""
+    lookups = lambda: sum(s.pool_lookups for s in members.stats("prefill").values())  # noqa: E731
+    router_before, workers_before = metric(cluster, "kvferry:pool_lookups_total"), lookups()
+    prompts = [random_prompt(700 + i, 20 + 23 * i) for i in range(6)]
+    for ids in prompts:
+        got = client.generate(greedy(ids), timeout=60)
+        assert got.token_ids == offline(engine, ids)
+    assert metric(cluster, "kvferry:pool_lookups_total") - router_before == len(prompts)
+    assert lookups() == workers_before
+    sampling = sampling_to_proto(SamplingParams(max_tokens=1, temperature=0.0))
+    worker = next(iter(members.prefill.values()))
+    request = worker_pb2.PrefillRequest(request_id="direct", prompt_token_ids=prompts[-1], sampling=sampling)
+    reply = worker.Prefill(request, timeout=60)
+    assert reply.first_token_id == offline(engine, prompts[-1], max_tokens=1)[0]
+    assert lookups() == workers_before + 1
+    for pool in members.pool.values():
+        pool.Release(pool_pb2.ReleaseRequest(request_id="direct"), timeout=10)
+    assert_released(members, ["direct"])
 
 
 def test_abort_and_cancel_release_everything(client, members):
@@ -259,3 +285,20 @@ def test_first_token_finish_releases_the_tail(client, members):
     got = client.generate(greedy(random_prompt(50, 20), max_tokens=1, request_id="one-token"), timeout=60)
     assert got.finished.finish_reason == "length" and got.finished.output_tokens == 1
     assert_released(members, ["one-token"])
+
+
+def test_stream_interval_sends_tokens_in_groups(redis_server, tiny_model_dir, tmp_path, engine):
+    """A decode worker with `stream_interval` 4: the first token and the first decode message go at
+    once, then 4 tokens a message, the last message with what is left; the tokens are an unbatched
+    stream's, and the router relays fewer messages."""
+    interval, tokens = 4, 19
+    decode = WorkerGroupSettings(engine={**ENGINE, "stream_interval": interval})
+    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-stream-interval", decode=decode)
+    with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as client:
+        for seed in range(3):
+            ids = random_prompt(900 + seed, 20 + 9 * seed)
+            got = client.generate(greedy(ids, max_tokens=tokens), timeout=60)
+            assert got.token_ids == offline(engine, ids, max_tokens=tokens)
+            # the prefill's token; the decode's first; then `interval` at a time; the rest, finished
+            assert got.messages <= 1 + 1 + -(-(tokens - 2) // interval) + 1, got.messages
+            assert got.messages < tokens // 2

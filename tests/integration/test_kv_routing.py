@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import wait_for
+from cluster_helpers import metric, wait_for
 from test_cluster import greedy, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -36,18 +35,6 @@ def reference(tiny_model_dir, prompts, hf_greedy) -> list[list[int]]:
 def served(members) -> dict[str, int]:
     """Prefills each prefill worker has run."""
     return {k: s.requests for k, s in members.stats("prefill").items()}
-
-
-def metric(cluster, name: str, **labels) -> float:
-    """A series of the router's /metrics summed over the label sets that match `labels`."""
-    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and all(w in line for w in want)
-    )
 
 
 def run_one(client, members, ids) -> tuple[str, object]:

@@ -12,7 +12,7 @@ from conftest import make_cluster_config
 
 from kvferry.deploy.config import PoolSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
-from kvferry.kvpool.keys import block_keys
+from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
 

@@ -15,8 +15,8 @@ from conftest import ENGINE, make_cluster_config
 
 from kvferry.deploy.config import PoolSettings, RestartSettings, RouterSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
+from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.client import PoolClient, from_proto, to_proto, wait_for_nodes
-from kvferry.kvpool.keys import block_keys
 from kvferry.kvpool.metadata import DISK_SLOT, Location, MetadataStore
 from kvferry.kvpool.node import PoolNodeConfig
 from kvferry.kvpool.transfer import BlockLayout

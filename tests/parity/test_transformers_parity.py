@@ -138,7 +138,7 @@ def test_cpu_kernels_and_torch_ops_both_match(checkpoint, prompts, reference):
 
     for kernels in ("auto", "torch"):
         engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7)
-        assert engine.kernels == (kernels == "auto" and cpu.load())
+        assert engine.cpu_kernels == (kernels == "auto" and cpu.load())
         assert run_all(engine, prompts, stagger=3) == reference
 
 
@@ -150,7 +150,7 @@ def test_triton_kernels_match_transformers(checkpoint, prompts, reference):
     (tests/conftest.py sets it): the same kernels CUDA compiles."""
     pytest.importorskip("triton")
     engine = make_engine(checkpoint, kernels="triton", max_num_batched_tokens=24)
-    assert engine.kernel_backend == "triton" and not engine.kernels
+    assert engine.kernel_backend == "triton" and not engine.cpu_kernels
     picked = [0, 1, 3]  # 53, 17 and 64 tokens
     assert run_all(engine, [prompts[i] for i in picked], stagger=3) == [reference[i] for i in picked]
     before = engine.block_manager.hits

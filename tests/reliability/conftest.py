@@ -4,8 +4,9 @@ topology to come back after each other's kills), the prompt set and its greedy r
 from __future__ import annotations
 
 import pytest
-from fault_harness import FaultCluster, fixed_prompts, reference_tokens
-from fault_scenarios import MAX_INFLIGHT, Context
+
+from kvferry.deploy.fault_harness import FaultCluster, fixed_prompts, reference_tokens
+from kvferry.deploy.fault_scenarios import MAX_INFLIGHT, Context
 
 API_KEY = "reliability-api-key"
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from fault_harness import ScenarioResult
-from fault_scenarios import SCENARIOS
+
+from kvferry.deploy.fault_harness import ScenarioResult
+from kvferry.deploy.fault_scenarios import SCENARIOS
 
 pytestmark = pytest.mark.slow
 

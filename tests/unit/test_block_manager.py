@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvferry.engine.block_hash import model_fingerprint
 from kvferry.engine.block_manager import BlockManager
 from kvferry.engine.request import Request, RequestStatus, SamplingParams
 from kvferry.engine.scheduler import Scheduler, SchedulerConfig
-from kvferry.kvpool.keys import model_fingerprint
 
 NUM_BLOCKS, BS = 8, 4
 FP = model_fingerprint("unit-test-model", "float32")

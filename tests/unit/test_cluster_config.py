@@ -102,12 +102,16 @@ def test_degree_the_model_cannot_split_by_is_refused_before_launch(tiny_model_di
 
 
 def test_vllm_spelling_of_the_decode_group_degree():
-    from kvferry.worker.runtime import add_worker_args
+    from kvferry.decode_worker.worker import ROLE
+    from kvferry.engine.args import engine_config_from
+    from kvferry.worker.runtime import worker_parser
 
-    p = argparse.ArgumentParser()
-    add_worker_args(p)
-    args = p.parse_args(["--redis-url", "redis://x", "--data-parallel-size", "2", "--enable-expert-parallel"])
+    flags = ["--redis-url", "redis://x", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    args = worker_parser(ROLE).parse_args(flags)
     assert (args.data_parallel_size, args.enable_expert_parallel, args.rank) == (2, True, None)
+    assert ROLE.engine_config(args, engine_config_from(args)).expert_parallel_size == 2
+    with pytest.raises(SystemExit, match="needs --enable-expert-parallel"):
+        ROLE.engine_config(worker_parser(ROLE).parse_args(flags[:-1]), engine_config_from(args))
 
 
 def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_takes():

@@ -205,7 +205,7 @@ def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir):
     fp32 = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
     )
-    assert engine.kernels and engine.dtype == torch.bfloat16 and engine.kv_dtype == torch.float32
+    assert engine.cpu_kernels and engine.dtype == torch.bfloat16 and engine.kv_dtype == torch.float32
     assert engine.runner.kv_cache.dtype == torch.float32
     assert engine.fingerprint != fp32.fingerprint
     reference = load_model(tiny_model_dir, torch.bfloat16).float()  # float32 arithmetic, bf16 weights

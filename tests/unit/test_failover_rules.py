@@ -125,6 +125,7 @@ def test_resumed_greedy_decode_equals_an_uninterrupted_one(engine, cut):
     # as the decode worker admits it when the pool covers nothing: the whole prompt is recomputed
     resumed_params = replace(params, max_tokens=resumed.sampling.max_tokens)
     req = engine.make_request(None, resumed_params, list(resumed.prompt_token_ids), f"resumed-{cut}")
-    engine.add_with_kv(req, resumed.first_token_id, [], 0)
+    engine.kv.await_kv(req)
+    engine.kv.kv_arrived(req, resumed.first_token_id, [], 0)
     rest = run(engine, req.request_id)
     assert produced + rest == whole

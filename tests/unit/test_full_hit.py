@@ -154,7 +154,7 @@ class FakePool:
         future.set_result(out)
         return future
 
-    def pick_nodes(self) -> list[str]:
+    def pick_nodes(self, count=None, wait=True) -> list[str]:
         return ["fake-node"]
 
     def release(self, request_id) -> int:

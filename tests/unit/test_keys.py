@@ -1,4 +1,4 @@
-"""kvferry.kvpool.keys: content-addressed, chained block keys."""
+"""kvferry.engine.block_hash: content-addressed, chained block keys."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kvferry.kvpool.keys import KEY_BYTES, block_keys, chain_key, model_fingerprint
+from kvferry.engine.block_hash import KEY_BYTES, block_keys, chain_key, model_fingerprint
 
 BS = 4
 FP = model_fingerprint("kvferry/known-answer", "bfloat16")

@@ -25,14 +25,15 @@ ROOMS = {
     "deploy": "deploy",
 }
 # the shared modules in kvferry/ (each its own room: they sit at the bottom, beside the protobufs)
-BASE = {"kvferry.settings", "kvferry.proc", "kvferry.rpc", "kvferry.auth", "kvferry.v1"}
+BASE = {"kvferry.settings", "kvferry.proc", "kvferry.rpc", "kvferry.auth", "kvferry.flags", "kvferry.v1"}
 
 # what each room may import (besides itself and BASE); kvferry.convert is the API <-> engine adapter
 ALLOWED = {
     "kernels": set(),
     "model": {"kernels"},
-    "engine": {"model", "kernels", "kvferry.kvpool.keys"},  # block keys: the prefix cache's hashes
-    "kvpool": {"kernels"},  # the Triton block pack/unpack for a cache on CUDA
+    "engine": {"model", "kernels"},
+    # the Triton block pack/unpack for a cache on CUDA; the block keys (the prefix cache's hashes)
+    "kvpool": {"kernels", "kvferry.engine.block_hash"},
     "worker": {"engine", "model", "kvpool"},
     "prefill_worker": {"worker", "engine", "model", "kvpool", "kvferry.convert"},
     "decode_worker": {"worker", "engine", "model", "kvpool", "kvferry.convert"},
@@ -94,4 +95,34 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     (module,) = kvferry_imports(path)
     assert room_of(module) == "decode_worker" and not allowed("engine", module)
     assert not allowed("model", "kvferry.engine.engine") and allowed("engine", "kvferry.model.config")
-    assert allowed("engine", "kvferry.kvpool.keys") and not allowed("engine", "kvferry.kvpool.client")
+    assert allowed("kvpool", "kvferry.engine.block_hash") and not allowed("kvpool", "kvferry.engine.engine")
+    assert not allowed("engine", "kvferry.kvpool.transfer")
+
+
+# the engine's internals: a worker or the pool reaches the engine only through its public methods and
+# its KV hand-off API (engine/kv_handoff.py)
+ENGINE_INTERNALS = {"block_manager", "scheduler", "runner", "states", "finish_hook", "step_hook"}
+HANDOFF_USERS = ["worker", "prefill_worker", "decode_worker", "kvpool"]
+
+
+def internal_uses(path: Path) -> list[str]:
+    """`x.<internal>` attribute uses in `path` (on any object: these rooms have no fields of those names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{path.name}:{node.lineno}: .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+    ]
+
+
+@pytest.mark.parametrize("room", HANDOFF_USERS)
+def test_workers_use_the_engine_handoff_api(room):
+    files = sorted((ROOT / ROOMS[room]).glob("*.py"))
+    bad = [f"{ROOMS[room]}/{use}" for f in files for use in internal_uses(f)]
+    assert not bad, "engine internals used outside the engine (use LLMEngine.kv):\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_an_internal_use(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def f(engine):\n    return engine.block_manager.num_free_blocks + len(engine.states)\n")
+    assert internal_uses(path) == ["bad.py:2: .block_manager", "bad.py:2: .states"]

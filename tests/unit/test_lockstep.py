@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvferry.decode_worker.lockstep import LockStep
 from kvferry.model.moe import ExpertParallelMoe
 from kvferry.model.parallel import Comm
-from kvferry.worker.ep import LockStep
 
 
 def make(num_layers: int = 2, experts: int = 4) -> tuple[LockStep, list[ExpertParallelMoe]]:

@@ -10,7 +10,7 @@ import pytest
 
 from kvferry.engine.request import InvalidRequestError
 from kvferry.model.chat_template import CHATML, ChatTemplate, ChatTemplateError
-from kvferry.router.directory import Directory, Member, PoolNode
+from kvferry.router.directory import Directory, Member, PoolMember
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
 from kvferry.v1 import generate_pb2
@@ -155,7 +155,7 @@ def test_metrics_of_a_request_and_of_the_cluster():
         None,
         beat={"running": 3, "waiting": 1, "free_blocks": 25, "total_blocks": 100},
     )
-    directory.pool_nodes["pool-0"] = PoolNode("a", 0.0, {"num_slots": 10, "free_slots": 4})
+    directory.pool_nodes["pool-0"] = PoolMember("a", 0.0, {"num_slots": 10, "free_slots": 4})
     metrics = RouterMetrics("m", directory)
     track = metrics.track("http", t0=0.0)
     track.message(generate_pb2.GenerateResponse(token_ids=[1]))
@@ -191,7 +191,7 @@ def test_grafana_dashboard_reads_only_exported_series():
     used = {m for e in exprs for m in re.findall(r"kvferry:[a-z0-9_]+", e)}
     directory = Directory(meta=None)
     directory.members["decode"]["d"] = Member("decode", "d", "a", None, None, beat={"total_blocks": 4})
-    directory.pool_nodes["p"] = PoolNode("a", 0.0, {"num_slots": 4})
+    directory.pool_nodes["p"] = PoolMember("a", 0.0, {"num_slots": 4})
     metrics = RouterMetrics("m", directory)
     track = metrics.track("grpc", t0=0.0)
     track.message(generate_pb2.GenerateResponse(token_ids=[1]))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.kvpool.keys import block_keys
+from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.metadata import Location
-from kvferry.router.directory import Directory, Member, PoolNode
+from kvferry.router.directory import Directory, Member, PoolMember
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import (
     DEFAULT_CAPACITY_BLOCKS,
@@ -117,7 +117,7 @@ def test_load_outweighs_a_small_prefix_and_the_balance_guard_caps_a_hot_one():
 
 def test_pool_blocks_on_a_workers_host_make_it_cheaper():
     d = directory(("p0", "h0"), ("p1", "h1"))
-    d.pool_nodes["node-b"] = PoolNode("h1:7000", 0.0, {})
+    d.pool_nodes["node-b"] = PoolMember("h1:7000", 0.0, {})
     routing = PrefillRouting(RoutingConfig(), d)
     ids = prompt(3, 30)
     for _ in range(3):  # whichever turn the round robin is at

@@ -1,0 +1,150 @@
+"""Admission: the cheap checks in order of cost (ready, limits, a free --max-inflight slot, a new id),
+then tokenizing (off the event loop) and validating every field. What a request holds while in flight
+(`Inflight`) and the errors that end it (`RequestRejected`, `WorkerFailed`) live here too.
+
+`Admission` is one part of `router.server.Router` (with `router.dispatch` and `router.relay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from kvferry.convert import sampling_from_proto
+from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
+from kvferry.router.directory import Member
+from kvferry.router.limits import check_limits
+from kvferry.router.metrics import RequestTrack
+from kvferry.v1 import generate_pb2
+
+
+@dataclass
+class Inflight:
+    request_id: str
+    deadline: float  # time.monotonic() by which it must be done (the client's, else --request-timeout-s)
+    t0: float  # perf_counter() when it arrived
+    ids: list[int] = field(default_factory=list)  # set once tokenized and validated
+    params: SamplingParams = field(default_factory=SamplingParams)
+    track: RequestTrack | None = None  # set once admitted
+    aborted: bool = False
+    decode: Member | None = None
+    calls: list = field(default_factory=list)
+    release_pool: bool = False  # the pool may still hold the request's private tail block
+
+    def remaining(self) -> float:
+        """Seconds left until the deadline (for worker calls)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class RequestRejected(Exception):
+    """A request the cluster cannot serve (overload, no workers, a worker failed); `code` says which."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerFailed(RequestRejected):
+    """A worker call failed; `retry`: another worker of its role may serve it (router.failover)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry: bool):
+        super().__init__(code, message)
+        self.retry = retry
+
+
+def error_code(err: Exception) -> grpc.StatusCode:
+    return err.code if isinstance(err, RequestRejected) else grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Admission:
+    """Router methods: admitting a request (`admit`) or withdrawing one never run."""
+
+    def _reserve(self, request: generate_pb2.GenerateRequest) -> str:
+        """The cheap checks, in order of cost: ready, limits, a free slot, a new id. Nothing is
+        tokenized or copied before they pass."""
+        model = self.directory.model
+        if model is None or not self.directory.ready:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill/decode workers are ready yet")
+        check_limits(request, model.max_model_len)
+        if len(self.inflight) >= self.cfg.max_inflight:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.inflight)} requests in flight (--max-inflight {self.cfg.max_inflight}); "
+                "retry later",
+            )
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self.inflight:
+            raise RequestRejected(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        return request_id
+
+    async def _prepare(
+        self, request: generate_pb2.GenerateRequest, fill_max_tokens: bool
+    ) -> tuple[list[int], SamplingParams]:
+        """Tokenize (in a thread: a long prompt must not stall every other stream) and validate."""
+        model = self.directory.model
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidRequestError("prompt: set either text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise InvalidRequestError("prompt.text must not be empty")
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
+            if not ids:
+                raise InvalidRequestError("prompt.text encodes to no tokens")
+        else:
+            ids = list(request.token_ids.ids)
+        params = sampling_from_proto(request.sampling)
+        if fill_max_tokens and not request.sampling.HasField("max_tokens"):
+            params = replace(params, max_tokens=max(1, model.max_model_len - len(ids)))
+        ids = validate_request(
+            ids,
+            params,
+            model.vocab_size,
+            model.max_model_len,
+            prompt_field="prompt.token_ids",
+            sampling_field="sampling.",
+            max_tokens_fit=True,
+        )
+        return ids, params
+
+    async def admit(
+        self,
+        request: generate_pb2.GenerateRequest,
+        timeout: float | None,
+        api: str,
+        fill_max_tokens: bool = False,
+    ) -> Inflight:
+        """Validate and admit a request (it counts as in flight from now on): then `run` it, or
+        `withdraw` it. It takes its --max-inflight slot before it is tokenized, so a flood of huge prompts
+        queues no more work than the slots allow. `fill_max_tokens`: an unset max_tokens means as many as
+        fit (the chat API's default). Raises InvalidRequestError (bad input) or RequestRejected
+        (RESOURCE_EXHAUSTED past --max-inflight, ALREADY_EXISTS for an id in flight, UNAVAILABLE before
+        the cluster is ready)."""
+        t0 = time.perf_counter()
+        try:
+            request_id = self._reserve(request)
+        except (InvalidRequestError, RequestRejected) as err:
+            self.metrics.rejected(api, error_code(err).name)
+            raise
+        timeout = self.cfg.request_timeout_s if timeout is None else timeout
+        handle = self.inflight[request_id] = Inflight(request_id, time.monotonic() + timeout, t0)
+        try:
+            handle.ids, handle.params = await self._prepare(request, fill_max_tokens)
+        except BaseException as err:
+            del self.inflight[request_id]
+            if isinstance(err, (InvalidRequestError, RequestRejected)):
+                self.metrics.rejected(api, error_code(err).name)
+            raise
+        handle.track = self.metrics.track(api, t0)
+        return handle
+
+    def withdraw(self, handle: Inflight) -> None:
+        """Forget an admitted request that was never run (nothing was sent to a worker)."""
+        handle.track.done(grpc.StatusCode.CANCELLED.name)
+        del self.inflight[handle.request_id]
