@@ -144,7 +144,6 @@ def main() -> None:
     args = ap.parse_args()
     apis = args.apis.split(",")
     work = Path(tempfile.mkdtemp(prefix="kvferry-router-cpu-"))
-    python = baseline_python(args.baseline, work) if args.baseline else ""
     cfg = ClusterConfig(
         model=str(bench_model_dir(args.model)),
         namespace="router-cpu",
@@ -154,6 +153,7 @@ def main() -> None:
     cluster = LocalCluster(cfg, log_dir=work / "logs", quiet=True)
     totals: dict[tuple[str, str], list[float]] = {}
     try:
+        python = baseline_python(args.baseline, work) if args.baseline else ""
         cluster.start()
         router = next(c for c in cluster.children if c.name == "router")
         served = json.load(urllib.request.urlopen(f"{cluster.http_url}/v1/models", timeout=30))
@@ -183,7 +183,7 @@ def main() -> None:
         bar.close()
     finally:
         cluster.stop()
-        if python:
+        if (work / "src").exists():
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / "src")])
         shutil.rmtree(work, ignore_errors=True)
     flags = cpu_flags()
