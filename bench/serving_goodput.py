@@ -10,7 +10,10 @@ OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png wit
 the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
 
     python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--prefill-replicas N]
-                                    [--out DIR]
+                                    [--baseline REV] [--out DIR]
+
+`--baseline REV` brings up commit REV's disaggregated cluster too (a git worktree in its own venv) and
+sweeps it as `before`, in the same run: `kvferry_vs_before` is this checkout's goodput over REV's.
 
 `../shared/peers/README.md` says how vLLM's CPU wheel installs and starts beside kvferry.
 """
@@ -19,8 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import replace
@@ -29,11 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, print_result
+from common import baseline_python, bench_model_dir, print_result, remove_worktree
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.loadtest.sweep import add_sweep_args, run_sweep
+from kvferry.proc import free_port
 
 
 def served_model(url: str) -> str:
@@ -83,6 +91,34 @@ def start(model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1)
     return cluster
 
 
+def start_baseline(rev: str, model: str, work: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    """`kvferry up` of commit `rev` (its own venv over this one's packages, bench.common.baseline_python),
+    disaggregated with the launcher's defaults: (the process, its HTTP URL) once it serves."""
+    python = baseline_python(rev, work)
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [python, "-m", "kvferry.cli", "up", "--model", model, "--port", str(port)]
+    argv += ["--http-port", str(http_port), "--namespace", "baseline", "--log-dir", str(log_dir)]
+    with open(log_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while b"cluster ready" not in (log_dir / "up.log").read_bytes():  # every worker serves
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the baseline cluster ({rev}) did not come up; see {log_dir}")
+        time.sleep(1)
+    return proc, f"http://127.0.0.1:{http_port}"
+
+
+def stop_baseline(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)  # `kvferry up` stops its cluster on Ctrl-C
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(ap)
@@ -90,6 +126,11 @@ def main() -> None:
     ap.add_argument("--model", default="bench")
     ap.add_argument("--vllm", default="", help="http://HOST:PORT of a vLLM (or any OpenAI-compatible) server")
     ap.add_argument("--c1-requests", type=int, default=5)
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="a git revision whose disaggregated cluster is swept too, as `before` (before/after in one run)",
+    )
     ap.add_argument(
         "--prefill-replicas",
         type=int,
@@ -105,8 +146,11 @@ def main() -> None:
     logs = args.out / "logs"
     clusters = [start(model, colocated, logs / name, args.prefill_replicas) for name, colocated in
                 (("disagg", False), ("colocated", True))]  # fmt: skip
+    work, baseline = Path(tempfile.mkdtemp(prefix="kvferry-goodput-")), None
     try:
         urls = {"kvferry": clusters[0].http_url, "colocated": clusters[1].http_url}
+        if args.baseline:
+            baseline, urls["before"] = start_baseline(args.baseline, model, work, logs / "before")
         if args.vllm:
             urls["vllm"] = args.vllm.rstrip("/")
         single = {}
@@ -119,6 +163,10 @@ def main() -> None:
     finally:
         for cluster in clusters:
             cluster.stop()
+        if baseline is not None:
+            stop_baseline(baseline)
+        remove_worktree(work)
+        shutil.rmtree(work, ignore_errors=True)
     good = {label: report["targets"][label]["goodput"] for label in urls}
     result = {
         "model": Path(model).name,
@@ -130,6 +178,9 @@ def main() -> None:
         "vllm_goodput": good.get("vllm"),
         "kvferry_vs_colocated": _ratio(good["kvferry"], good["colocated"]),
         "kvferry_vs_vllm": _ratio(good["kvferry"], good.get("vllm")),
+        "baseline": args.baseline or None,
+        "before_goodput": good.get("before"),
+        "kvferry_vs_before": _ratio(good["kvferry"], good.get("before")),
         **{f"{label}_c1_tpot_ms": single[label]["tpot_ms"] for label in urls},
         **{f"{label}_c1_ttft_ms": single[label]["ttft_ms"] for label in urls},
     }

@@ -109,8 +109,9 @@ class Directory:
                 log.exception("registry refresh failed")
 
     async def refresh(self) -> None:
+        read = await self._read_all()
         for role in ROLES:
-            records = await self._read(role)
+            records = read[role]
             if records is None:
                 continue  # Redis unreachable: keep what we know
             current = self.members[role]
@@ -135,7 +136,7 @@ class Directory:
                     del current[member_id]
                     await self._retire(member)
         await self._close_idle()
-        nodes = await self._read("pool")
+        nodes = read["pool"]
         if nodes is not None:
             now = time.monotonic()
             for node_id, info in nodes.items():
@@ -148,15 +149,17 @@ class Directory:
                 if self._lapsed("pool", node.last_seen, now):
                     del self.pool_nodes[node_id]
 
-    async def _read(self, role: str) -> dict[str, dict] | None:
-        """The role's registry records; None while Redis cannot be read (then the grace of every member
-        restarts at the next successful read)."""
-        records = await asyncio.to_thread(self.meta.members, role)
-        if records is None:
-            self._readable_since[role] = None
-        elif self._readable_since.get(role) is None:
-            self._readable_since[role] = time.monotonic()
-        return records
+    async def _read_all(self) -> dict[str, dict[str, dict] | None]:
+        """Each role's (and the pool's) registry records, read in one hop off the loop; None for one
+        Redis could not read (then the grace of each of its members restarts at the next good read)."""
+        roles = (*ROLES, "pool")
+        read = await asyncio.to_thread(lambda: {role: self.meta.members(role) for role in roles})
+        for role, records in read.items():
+            if records is None:
+                self._readable_since[role] = None
+            elif self._readable_since.get(role) is None:
+                self._readable_since[role] = time.monotonic()
+        return read
 
     def _lapsed(self, role: str, last_seen: float, now: float) -> bool:
         """No record for `grace_s`, counted only over time the registry was readable: after an outage

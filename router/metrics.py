@@ -59,6 +59,9 @@ class RouterMetrics:
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between streamed messages.", TOKEN_BUCKETS)
+        # the series observed on every streamed message, looked up once
+        self.ttft_series = self.ttft.labels(model_name)
+        self.itl_series = self.itl.labels(model_name)
         self.tpot = histogram(
             "time_per_output_token_seconds", "Per request: (E2E - TTFT) / (tokens - 1).", TOKEN_BUCKETS
         )
@@ -151,9 +154,9 @@ class RequestTrack:
             now = time.perf_counter()
             if self.first is None:
                 self.first = now
-                self.m.ttft.labels(self.m.model_name).observe(now - self.t0)
+                self.m.ttft_series.observe(now - self.t0)
             else:
-                self.m.itl.labels(self.m.model_name).observe(now - self.last)
+                self.m.itl_series.observe(now - self.last)
             self.last = now
         if msg.HasField("finished"):
             self.finished = msg.finished
