@@ -62,3 +62,15 @@ def test_the_router_and_pool_node_configs_round_trip(cls):
             changed[f.name] = value + 1
     config = replace(cls(), **changed)
     assert config_from(parse(cls, config_flags(config, skip), skip), cls) == config
+
+
+def test_the_router_event_loop_flag():
+    uvloop = pytest.importorskip("uvloop")  # a base dependency: installed wherever kvferry is
+    from kvferry.router.server import loop_factory
+
+    assert config_from(parse(RouterConfig, ["--event-loop", "asyncio"]), RouterConfig).event_loop == "asyncio"
+    with pytest.raises(argparse.ArgumentError):
+        parse(RouterConfig, ["--event-loop", "trio"])
+    assert loop_factory("asyncio") is None  # asyncio's own loop
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("auto") is uvloop.new_event_loop
