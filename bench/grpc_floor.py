@@ -6,9 +6,12 @@ server whose streams yield one message per token, every stream on one shared ste
 batch sends: all its requests' tokens at each step), and a relay (the router's place, on the router's
 event loop) that serves `Generation.Generate` by opening one upstream stream per call and yielding
 each message on. The caller drives the relay with the same client load as the router and reads its CPU.
+A `source` serves `Generate` alone, its tokens from its own step clock: what the client's side of the
+stream costs by itself, with no upstream call at all.
 
     python bench/grpc_floor.py upstream PORT TOKENS STEP_S
     python bench/grpc_floor.py relay PORT UPSTREAM_PORT EVENT_LOOP
+    python bench/grpc_floor.py source PORT TOKENS STEP_S EVENT_LOOP
 """
 
 from __future__ import annotations
@@ -62,6 +65,27 @@ class Relay(generate_pb2_grpc.GenerationServicer):
             )
 
 
+class Source(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, tokens: int, clock: StepClock):
+        self.tokens, self.clock = tokens, clock
+
+    async def Generate(self, request, context):
+        for i in range(self.tokens):
+            await self.clock.next()
+            yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[100 + i], text="x")
+
+
+async def source(port: int, tokens: int, step_s: float) -> None:
+    clock = StepClock(step_s)
+    ticking = asyncio.create_task(clock.run())
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(Source(tokens, clock), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+    ticking.cancel()
+
+
 async def upstream(port: int, tokens: int, step_s: float) -> None:
     clock = StepClock(step_s)
     ticking = asyncio.create_task(clock.run())
@@ -91,8 +115,11 @@ def main(argv: list[str]) -> None:
     elif role == "relay":
         with asyncio.Runner(loop_factory=loop_factory(argv[3])) as runner:
             runner.run(relay(port, int(argv[2])))
+    elif role == "source":
+        with asyncio.Runner(loop_factory=loop_factory(argv[4])) as runner:
+            runner.run(source(port, int(argv[2]), float(argv[3])))
     else:
-        raise SystemExit(f"unknown role {role!r}: upstream or relay")
+        raise SystemExit(f"unknown role {role!r}: upstream, relay or source")
 
 
 if __name__ == "__main__":

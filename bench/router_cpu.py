@@ -13,7 +13,8 @@ JSON object; `<api>_after_vs_before` = this checkout's CPU per request / the bas
 The floor (unless `--no-floor`): the same gRPC load through a bare relay that does nothing but pass one
 message per token from an upstream stream on (`bench/grpc_floor.py`, paced at the step the router's run
 saw): `floor_grpc_cpu_ms_per_request` is what gRPC alone costs the router's process on this machine,
-`after_grpc_over_floor_ms` what kvferry's router adds to it.
+`after_grpc_over_floor_ms` what kvferry's router adds to it; `floor_serve_only_cpu_ms_per_request` is
+the client's side of the stream alone (a server that makes up its tokens: no upstream call).
 
     python bench/router_cpu.py [--baseline REV] [--requests 120] [--rounds 3] [--concurrency 4]
                                [--stream-interval N] [--no-floor]
@@ -109,32 +110,46 @@ def run_load(target: dict, api: str, prompts: list[list[int]], args, bar: tqdm) 
     return cpu_s(target["pid"]) - before, outputs, time.perf_counter() - t0
 
 
-def measure_floor(args, step_s: float, work: Path) -> float:
-    """CPU seconds per request of a bare gRPC relay (bench/grpc_floor.py) serving the same load: the
-    same client, concurrency and tokens per request, one message per token on a `step_s` step clock."""
-    host = "127.0.0.1"
-    up_port, relay_port = free_port(host), free_port(host)
-    script = str(Path(__file__).resolve().parent / "grpc_floor.py")
-    upstream = [sys.executable, script, "upstream", str(up_port), str(args.output_len), str(step_s)]
-    relay = [sys.executable, script, "relay", str(relay_port), str(up_port), "auto"]
-    with open(work / "floor.log", "wb") as logs:
-        procs = [subprocess.Popen(cmd, stdout=logs, stderr=subprocess.STDOUT) for cmd in (upstream, relay)]
+def serve_load(args, cmds: list[list[str]], port: int, work: Path, desc: str) -> float:
+    """CPU seconds per request of the last of `cmds` (bench/grpc_floor.py processes; it serves `port`)
+    under the router's load: the same client, concurrency and tokens per request."""
+    with open(work / "floor.log", "ab") as logs:
+        procs = [subprocess.Popen(cmd, stdout=logs, stderr=subprocess.STDOUT) for cmd in cmds]
     try:
-        addr = f"{host}:{relay_port}"
+        addr = f"127.0.0.1:{port}"
         with grpc.insecure_channel(addr) as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
-        target = {"addr": addr, "pid": procs[1].pid}
         prompts = [[100] * args.input_len for _ in range(args.requests * args.rounds)]
-        bar = tqdm(total=len(prompts), desc="floor", unit="req")
-        used, outputs, _ = run_load(target, "grpc", prompts, args, bar)
+        bar = tqdm(total=len(prompts), desc=desc, unit="req")
+        used, outputs, _ = run_load({"addr": addr, "pid": procs[-1].pid}, "grpc", prompts, args, bar)
         bar.close()
         if any(len(out) != args.output_len for out in outputs):
-            raise SystemExit("the floor relay ended a stream early")
+            raise SystemExit(f"the {desc} ended a stream early")
         return used / len(prompts)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def measure_floor(args, step_s: float, work: Path) -> tuple[float, float]:
+    """CPU seconds per request of gRPC alone (bench/grpc_floor.py), one message per token on a `step_s`
+    step clock: (a bare relay of an upstream stream, a server that only streams to the client)."""
+    script = [sys.executable, str(Path(__file__).resolve().parent / "grpc_floor.py")]
+    tokens, step = str(args.output_len), str(step_s)
+    up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    relay = serve_load(
+        args,
+        [[*script, "upstream", str(up), tokens, step], [*script, "relay", str(port), str(up), "auto"]],
+        port,
+        work,
+        "floor: relay",
+    )
+    port = free_port("127.0.0.1")
+    alone = serve_load(
+        args, [[*script, "source", str(port), tokens, step, "auto"]], port, work, "floor: serve"
+    )
+    return relay, alone
 
 
 def main() -> None:
@@ -166,7 +181,7 @@ def main() -> None:
     cluster = LocalCluster(cfg, log_dir=work / "logs", quiet=True)
     totals: dict[tuple[str, str], list[float]] = {}
     walls: dict[tuple[str, str], list[float]] = {}
-    floor = step_s = None
+    floor = serve_floor = step_s = None
     try:
         python = baseline_python(args.baseline, work) if args.baseline else ""
         cluster.start()
@@ -202,7 +217,7 @@ def main() -> None:
             # the router's own step: requests at `concurrency` in flight, each `output_len` tokens long
             served = sum(walls[("after", "grpc")]) / (args.requests * args.rounds)
             step_s = served * args.concurrency / args.output_len
-            floor = measure_floor(args, step_s, work)
+            floor, serve_floor = measure_floor(args, step_s, work)
     finally:
         cluster.stop()
         remove_worktree(work)
@@ -223,6 +238,7 @@ def main() -> None:
     if floor is not None:
         result["floor_step_ms"] = round(step_s * 1e3, 2)
         result["floor_grpc_cpu_ms_per_request"] = round(floor * 1e3, 2)
+        result["floor_serve_only_cpu_ms_per_request"] = round(serve_floor * 1e3, 2)
         result["after_grpc_over_floor_ms"] = round(result["after_grpc_cpu_ms_per_request"] - floor * 1e3, 2)
     if python:
         for api in apis:
