@@ -75,26 +75,36 @@ class Source(generate_pb2_grpc.GenerationServicer):
             yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[100 + i], text="x")
 
 
-async def source(port: int, tokens: int, step_s: float) -> None:
+async def serve_clocked(port: int, step_s: float, add) -> None:
+    """Serve `add(server, clock)`'s servicer on `port`, its streams paced by a `step_s` StepClock."""
     clock = StepClock(step_s)
     ticking = asyncio.create_task(clock.run())
     server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(Source(tokens, clock), server)
+    add(server, clock)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
     ticking.cancel()
+
+
+async def source(port: int, tokens: int, step_s: float) -> None:
+    await serve_clocked(
+        port,
+        step_s,
+        lambda server, clock: generate_pb2_grpc.add_GenerationServicer_to_server(
+            Source(tokens, clock), server
+        ),
+    )
 
 
 async def upstream(port: int, tokens: int, step_s: float) -> None:
-    clock = StepClock(step_s)
-    ticking = asyncio.create_task(clock.run())
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(Upstream(tokens, clock), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    await server.wait_for_termination()
-    ticking.cancel()
+    await serve_clocked(
+        port,
+        step_s,
+        lambda server, clock: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+            Upstream(tokens, clock), server
+        ),
+    )
 
 
 async def relay(port: int, upstream_port: int) -> None:

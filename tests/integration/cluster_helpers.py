@@ -3,23 +3,12 @@ the router's /metrics."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 from kvferry import rpc
+from kvferry.deploy.fault_harness import wait_for  # the fault harness's: one condition wait for both
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Members:
