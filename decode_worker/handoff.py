@@ -66,6 +66,7 @@ class Stream:
     req: Request | None = None
     report: HandoffReport | None = field(default_factory=HandoffReport)  # None once sent
     held: list[int] = field(default_factory=list)  # tokens not sent yet (EngineConfig.stream_interval)
+    held_logprobs: list = field(default_factory=list)  # their logprobs, when the request asks
 
 
 @dataclass

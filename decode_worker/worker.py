@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 
-from kvferry.convert import sampling_from_proto
+from kvferry.convert import logprobs_to_proto, sampling_from_proto
 from kvferry.decode_worker.handoff import EarlyAborts, KVPull, LoopQueue, Stream
 from kvferry.decode_worker.lockstep import LockStep
 from kvferry.engine.engine import LLMEngine
@@ -142,6 +142,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as err:
             stream.out.put(err)
             return
+        stream.req.output_offset = max(0, min(r.output_offset, stream.req.num_prompt_tokens - 1))
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
         if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
@@ -233,11 +234,18 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             if stream is None:
                 continue
             stream.held += out.new_token_ids
+            stream.held_logprobs += out.logprobs
             first = stream.report is not None
             if not (first or out.finished or len(stream.held) >= self.engine.cfg.stream_interval):
                 continue  # held for the next message (the first and the last go at once)
-            msg = worker_pb2.DecodeResponse(token_ids=stream.held, finish_reason=out.finish_reason or "")
-            stream.held = []
+            msg = worker_pb2.DecodeResponse(
+                token_ids=stream.held,
+                finish_reason=out.finish_reason or "",
+                logprobs=logprobs_to_proto(stream.held_logprobs),
+            )
+            if out.prompt_logprobs is not None:  # colocated: this worker computed the prompt
+                msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+            stream.held, stream.held_logprobs = [], []
             report, stream.report = stream.report, None
             if report is not None:  # the first message
                 msg.kv_pull_ms = report.kv_pull_ms

@@ -40,6 +40,7 @@ from kvferry.model.config import (
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.parallel import Parallel
+from kvferry.model.sampler import Sampled
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
 
@@ -269,11 +270,12 @@ class LLMEngine:
             self.num_steps += 1
         return outputs
 
-    def _update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
+    def _update(self, batch: ScheduledBatch, sampled: dict[Request, Sampled]) -> list[RequestOutput]:
         outputs = []
         for req in self.scheduler.update(batch):
             state = self.states[req.request_id]
-            finished = state.add_token(sampled[req])
+            out = sampled[req]
+            finished = state.add_token(out.token, out.logprob)
             if finished is not None:
                 if self.kv.finished_hook is not None:
                     self.kv.finished_hook(req)

@@ -120,7 +120,7 @@ class KVHandoff:
         req.block_ids = list(block_ids)
         req.num_computed_tokens = num_kv_tokens
         finished = state.add_token(first_token)
-        state.pending_ids = []  # the first token was already streamed by the prefill side
+        state.pending_ids, state.pending_logprobs = [], []  # the first token was streamed by the prefill side
         if finished is not None:
             self._scheduler.finish(req, finished)
             e.finished_elsewhere(state)

@@ -11,7 +11,7 @@ from kvferry.engine.request import Request
 from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
-from kvferry.model.sampler import sample
+from kvferry.model.sampler import Sampled, SampleRow, sample, token_logprobs
 
 
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
@@ -58,11 +58,14 @@ class ModelRunner:
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
 
-    def run(self, batch: ScheduledBatch) -> dict[Request, int]:
-        """Compute every scheduled token; sample for the requests whose last token was computed."""
+    def run(self, batch: ScheduledBatch) -> dict[Request, Sampled]:
+        """Compute every scheduled token; sample for the requests whose last token was computed (and
+        score the prompt tokens of the requests that ask for prompt logprobs)."""
         work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
         step = StepInputs()
         sampled_reqs = []
+        scored: list[tuple[Request, int, int]] = []  # (request, first position, count): prompt logprobs
+        score_rows: list[int] = []
         bs = self.block_size
         for req, n in work:
             start = req.num_computed_tokens
@@ -82,13 +85,47 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 step.sample_rows.append(row + n - 1)
                 sampled_reqs.append(req)
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                end = min(start + n, req.num_prompt_tokens - 1)  # position p scores prompt token p + 1
+                scored.append((req, start, end - start))
+                score_rows += range(row, row + end - start)
+        num_sampled = len(step.sample_rows)
+        step.sample_rows += score_rows  # after the sampled rows: their logits come first
         if self.broadcast_step is not None:
             self.broadcast_step(step)
         logits = self.execute(step)
-        if not sampled_reqs:
+        if not sampled_reqs and not scored:
             return {}
-        tokens = sample(logits, [r.params.spec for r in sampled_reqs], [r.generator for r in sampled_reqs])
-        return dict(zip(sampled_reqs, tokens, strict=True))
+        if scored:
+            self._score_prompts(logits, num_sampled, scored)
+        rows = [self._sample_row(r) for r in sampled_reqs]
+        return dict(zip(sampled_reqs, sample(logits[:num_sampled], rows), strict=True))
+
+    @staticmethod
+    def _sample_row(req: Request) -> SampleRow:
+        params = req.params
+        return SampleRow(
+            params.spec,
+            req.generator,
+            prompt=req.prompt_token_ids[: req.num_prompt_tokens - req.output_offset],
+            outputs=req.generated if params.spec.penalized else (),
+            banned=req.banned_until_min if len(req.output_token_ids) < params.min_tokens else (),
+        )
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, row: int, scored: list[tuple[Request, int, int]]) -> None:
+        """Prompt logprobs of this step's prompt chunks (rows from `row` on, in `scored`'s order)."""
+        rows, tokens, tops = [], [], []
+        for req, start, count in scored:
+            rows += range(row, row + count)
+            tokens += req.prompt_token_ids[start + 1 : start + 1 + count]
+            tops += [req.params.prompt_logprobs] * count
+            row += count
+        found = token_logprobs(logits, rows, tokens, tops)
+        for req, start, count in scored:
+            del req.prompt_logprobs[start:]  # a chunk computed again (after a preemption) replaces its own
+            req.prompt_logprobs += found[:count]
+            found = found[count:]
 
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass (and the logits of `sample_rows`); every rank of a group runs it in step.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.engine.request import Request, RequestStatus
+from kvferry.model.sampler import TokenLogprob
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -19,6 +20,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # one per new token when the request asks for logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # on a request's first output, when it asks for them: one per prompt token from the second on
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -32,6 +37,8 @@ class Completion:
     finish_reason: str | None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def to_json(self) -> dict:
         return {
@@ -60,17 +67,27 @@ class OutputState:
         self.text = ""
         self.sent_chars = 0
         self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = req.params.prompt_logprobs is None
+        if req.params.min_tokens:
+            req.banned_until_min = tuple(sorted(self.stop_ids))
 
-    def add_token(self, token: int) -> RequestStatus | None:
-        """Append a sampled token; return the finished status it causes, if any."""
+    def add_token(self, token: int, logprob: TokenLogprob | None = None) -> RequestStatus | None:
+        """Append a sampled token (and its logprob, when the request asks for them); return the finished
+        status it causes, if any."""
         req = self.req
         req.output_token_ids.append(token)
         self.pending_ids.append(token)
-        if token in self.stop_ids:
+        if logprob is not None and req.params.logprobs is not None:
+            self.pending_logprobs.append(logprob)
+            req.output_logprobs.append(logprob)
+        # before min_tokens, no stop rule applies (the sampler never picks a stop id then)
+        stops = len(req.output_token_ids) >= req.params.min_tokens
+        if stops and token in self.stop_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.detok is not None:
             delta = self.detok.add(token)
-            if delta and req.params.stop and self._cut_at_stop(delta):
+            if delta and stops and req.params.stop and self._cut_at_stop(delta):
                 return RequestStatus.FINISHED_STOPPED
             self.text += delta
         if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
@@ -83,7 +100,10 @@ class OutputState:
         hits = [i for s in self.req.params.stop if (i := candidate.find(s, window)) >= 0]
         if not hits:
             return False
-        self.text = candidate[: min(hits)]
+        at = min(hits)
+        if self.req.params.include_stop_str_in_output:
+            at += len(next(s for s in self.req.params.stop if candidate.find(s, window) == at))
+        self.text = candidate[:at]
         return True
 
     def emit(self) -> RequestOutput:
@@ -98,9 +118,14 @@ class OutputState:
             finish_reason=req.status.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            logprobs=self.pending_logprobs,
         )
+        if not self.prompt_logprobs_sent:
+            out.prompt_logprobs = req.prompt_logprobs
+            self.prompt_logprobs_sent = True
         self.sent_chars = visible
         self.pending_ids = []
+        self.pending_logprobs = []
         return out
 
     def completion(self) -> Completion:
@@ -112,4 +137,6 @@ class OutputState:
             text=self.text,
             finish_reason=req.status.finish_reason,
             num_cached_tokens=req.num_cached_tokens,
+            logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

@@ -13,6 +13,8 @@ import torch
 
 from kvferry.model.sampler import SamplingSpec
 
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default --max-logprobs is 20)
+
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve as asked (the message names the field)."""
@@ -55,6 +57,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS, stop ids and stop strings do not end the output before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    logprobs: int | None = None  # per output token: None none, 0 the sampled token's, k and the top k
+    prompt_logprobs: int | None = None  # per prompt token (the first has none), as `logprobs`
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -69,10 +81,45 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a tuple of non-empty strings")
         if not isinstance(self.stop_token_ids, tuple) or any(type(t) is not int for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be a tuple of integers")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 100.0:  # also false for NaN
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+            )
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for token, bias in self.logit_bias:
+            if type(token) is not int or not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {bias!r}"
+                )
+        if any(type(t) is not int for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids must be integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def spec(self) -> SamplingSpec:
-        return SamplingSpec(self.temperature, self.top_k, self.top_p)
+        return SamplingSpec(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.logit_bias,
+            self.allowed_token_ids,
+            self.logprobs,
+        )
 
 
 def validate_request(
@@ -112,11 +159,14 @@ def validate_request(
             f"{sampling_field}max_tokens {params.max_tokens} is over the limit: the prompt has {len(ids)} "
             f"tokens and max_model_len is {max_model_len}, so at most {room} can be generated"
         )
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"{sampling_field}stop_token_ids must lie in [0, {vocab_size}); got {bad[0]}"
-        )
+    for name, tokens in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("allowed_token_ids", params.allowed_token_ids),
+    ):
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{sampling_field}{name} must lie in [0, {vocab_size}); got {bad[0]}")
     return ids
 
 
@@ -135,6 +185,12 @@ class Request:
     num_preemptions: int = 0
     num_committed_blocks: int = 0  # leading blocks full of KV, taken from or offered to the prefix cache
     generator: torch.Generator | None = None
+    # the last `output_offset` tokens of prompt_token_ids were generated (a stream resumed on another
+    # worker): the penalties count them as outputs (max_tokens and min_tokens were cut by as many)
+    output_offset: int = 0
+    banned_until_min: tuple[int, ...] = ()  # EOS and stop ids, banned while outputs < min_tokens
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token (when asked)
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:
@@ -152,6 +208,13 @@ class Request:
         if start + count <= prompt_len:
             return self.prompt_token_ids[start : start + count]
         return self.all_token_ids[start : start + count]
+
+    @property
+    def generated(self) -> list[int]:
+        """Every token generated for this request (outputs of earlier workers included)."""
+        if not self.output_offset:
+            return self.output_token_ids
+        return self.prompt_token_ids[-self.output_offset :] + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -93,6 +93,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.block_ids:  # arrived with its KV (pulled from the pool): resume after it
                 cached, num_cached, overlap = [], req.num_computed_tokens, 0
+            elif req.params.prompt_logprobs is not None:  # every prompt token is computed, to score it
+                cached, num_cached, overlap = [], 0, 0
             else:
                 cached = self.blocks.cached_prefix(req)
                 num_cached = len(cached) * self.blocks.block_size

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvferry.engine.request import SamplingParams
+from kvferry.model.sampler import TokenLogprob
 from kvferry.v1 import generate_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -19,6 +22,16 @@ def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_tokens=p.min_tokens,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        allowed_token_ids=tuple(p.allowed_token_ids),
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
 
 
@@ -31,7 +44,34 @@ def sampling_to_proto(s: SamplingParams) -> generate_pb2.SamplingParams:
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias),
+        allowed_token_ids=list(s.allowed_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
     if s.seed is not None:
         out.seed = s.seed
+    if s.logprobs is not None:
+        out.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        out.prompt_logprobs = s.prompt_logprobs
     return out
+
+
+def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
+    ids, values = zip(*lp.top, strict=True) if lp.top else ((), ())
+    return generate_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top_ids=ids, top_logprobs=values
+    )
+
+
+def logprobs_to_proto(lps: Iterable[TokenLogprob]) -> list[generate_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in lps]
+
+
+def logprob_from_proto(p: generate_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(p.token_id, p.logprob, p.rank, list(zip(p.top_ids, p.top_logprobs, strict=True)))

@@ -38,6 +38,7 @@ class ChatTemplate:
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"the model's chat template does not compile: {err}") from None
         self.special = special or {}
+        self.source = source
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:

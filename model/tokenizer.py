@@ -15,8 +15,8 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = _eos_from(Path(model_dir), self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

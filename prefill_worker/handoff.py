@@ -31,6 +31,7 @@ import torch
 
 from kvferry.engine.request import Request
 from kvferry.kvpool.metadata import Location
+from kvferry.model.sampler import TokenLogprob
 from kvferry.v1 import worker_pb2
 
 
@@ -68,6 +69,8 @@ class KVWrite:
 
     job: PrefillJob
     first_token: int
+    first_logprob: TokenLogprob | None  # when the request asks for logprobs
+    prompt_logprobs: list[TokenLogprob]  # when it asks for prompt logprobs
     locations: list[Location | None]  # per prompt block: where the pool holds it (None: not yet)
     write: list[int]  # prompt blocks to send (the pool lacks them)
     keys: list[bytes]  # their keys (the private tail: a random one)

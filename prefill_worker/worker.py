@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 
-from kvferry.convert import sampling_from_proto
+from kvferry.convert import logprob_to_proto, logprobs_to_proto, sampling_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
@@ -117,10 +117,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
     # -- engine thread: admission and the prefix stages -------------------------------------------------
     def _admit(self, job: PrefillJob) -> None:
         request, e = job.request, self.engine
-        # one token here, whatever the request asks: EOS and stop rules are applied by the router
-        params = replace(
-            sampling_from_proto(request.sampling), max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True
-        )
+        # one token here, whatever the request asks: stop rules are applied by the router
+        # (stop ids and EOS stay: min_tokens bans them from the first token too)
+        asked = sampling_from_proto(request.sampling)
+        params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1), stop=())
         try:
             req = self.new_request(request, params, "in prefill")
         except InvalidRequestError as err:
@@ -132,7 +132,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         if request.looked_up:  # the router's lookup (a location gone since is a miss: recomputed)
             job.pooled = self.pool.nearest([from_proto(x) for x in request.pooled])
         # all full blocks (a full hit computes the last token)
-        if req.num_prompt_tokens < kv.block_size or not kv.caching:
+        # (prompt logprobs score every prompt token: nothing is taken from a cache)
+        if req.num_prompt_tokens < kv.block_size or not kv.caching or params.prompt_logprobs is not None:
             e.submit(req)
             return
         keys = kv.prompt_keys(req)
@@ -280,6 +281,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         kv = KVWrite(
             job=job,
             first_token=req.output_token_ids[-1],
+            first_logprob=req.output_logprobs[-1] if req.output_logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
             locations=locations + [None] * tail,
             write=write,
             keys=keys,
@@ -352,7 +355,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             queue_ms=(kv.job.started - kv.job.arrived) * 1e3,
             prefill_ms=(kv.prefill_done - kv.job.started) * 1e3,
             kv_put_ms=(time.perf_counter() - (kv.put_started or kv.prefill_done)) * 1e3,
+            prompt_logprobs=logprobs_to_proto(kv.prompt_logprobs),
         )
+        if kv.first_logprob is not None:
+            reply.first_logprob.CopyFrom(logprob_to_proto(kv.first_logprob))
         return reply
 
     # -- engine thread: failures and cancellation -------------------------------------------------------

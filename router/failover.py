@@ -96,15 +96,20 @@ def resume_request(
     """The DecodeRequest that continues `first` (the request's first dispatch) on another worker after
     `produced` tokens came out of it: `prompt` + `produced` but the last, which becomes the first token
     (disaggregated: the prompt's pool blocks cover what they covered, the rest is recomputed), or the
-    whole of it computed there (colocated: prefill_here). The token budget shrinks by what was made."""
+    whole of it computed there (colocated: prefill_here). The token budget (and min_tokens) shrinks by what
+    was made; `output_offset` tells the worker which prompt tokens were outputs."""
     resumed = worker_pb2.DecodeRequest()
     resumed.CopyFrom(first)
     del resumed.prompt_token_ids[:]
     if first.prefill_here or not produced:
         resumed.prompt_token_ids.extend([*prompt, *produced])
-        resumed.sampling.max_tokens = max_tokens - len(produced)
+        made = len(produced)
     else:
         resumed.prompt_token_ids.extend([*prompt, *produced[:-1]])
         resumed.first_token_id = produced[-1]
-        resumed.sampling.max_tokens = max_tokens - (len(produced) - 1)
+        made = len(produced) - 1
+    resumed.output_offset = made  # the penalties go on counting them
+    resumed.sampling.max_tokens = max_tokens - made
+    resumed.sampling.min_tokens = max(0, resumed.sampling.min_tokens - made)
+    resumed.sampling.ClearField("prompt_logprobs")  # the client has them already
     return resumed

@@ -9,6 +9,7 @@ the pool exactly as a gRPC cancel does.
 
     POST /v1/completions        prompt: text, token ids, or a list of either
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    POST /tokenize, /detokenize vLLM's: a prompt's (or a chat's) token ids, and token ids' text
     GET  /v1/models, GET /health (503 until the cluster is ready), GET /metrics
 
 Given API keys (--api-key), every route but /health and /metrics asks for `Authorization: Bearer <key>`
@@ -32,11 +33,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.engine.request import InvalidRequestError
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
+from kvferry.router.limits import max_prompt_chars
 from kvferry.router.metrics import CONTENT_TYPE
 from kvferry.router.openai_protocol import (
     ChatCompletionRequest,
+    ChoiceState,
     CompletionRequest,
+    DetokenizeRequest,
+    Echo,
     ResponseShape,
+    TokenizeRequest,
     error_body,
 )
 from kvferry.router.server import Inflight, RequestRejected, Router
@@ -222,6 +228,59 @@ def build_app(router: Router) -> FastAPI:
                 "model",
             )
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's special tokens and chat template (what lm-eval's
+        remote tokenizer reads)."""
+        config_path = router.model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        info = {k: v for k, v in config.items() if k != "added_tokens_decoder"}
+        eos = router.tokenizer.eos_token_id
+        if "eos_token" not in info and eos is not None:
+            info["eos_token"] = router.tokenizer.decode([eos], skip_special_tokens=False)
+        info.setdefault("eos_token", None)
+        info["chat_template"] = chat_template.source if chat_template is not None else None
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        return info
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt's token ids (or a chat's, rendered with the chat template)."""
+        check_model(body.model)
+        if body.messages is not None:
+            if chat_template is None:
+                raise ApiError(400, f"model {router.served_model_name} has no chat template", "messages")
+            try:
+                text = chat_template.render(
+                    [m.as_template_input(i) for i, m in enumerate(body.messages)], body.add_generation_prompt
+                )
+            except (InvalidRequestError, ChatTemplateError) as err:
+                raise ApiError(400, str(err), "messages") from None
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise ApiError(400, "give prompt or messages", "prompt")
+        info = router.directory.model
+        limit = max_prompt_chars(info.max_model_len if info is not None else 4096)
+        if len(text) > limit:
+            raise ApiError(400, f"prompt: at most {limit} characters", "prompt")
+        ids = await asyncio.to_thread(router.tokenizer.encode, text, body.add_special_tokens)
+        return {
+            "count": len(ids),
+            "max_model_len": info.max_model_len if info is not None else None,
+            "tokens": ids,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        check_model(body.model)
+        vocab = router.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens must lie in [0, {vocab}); got {bad[0]}", "tokens")
+        return {"prompt": router.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
@@ -230,7 +289,17 @@ def build_app(router: Router) -> FastAPI:
             reqs = body.generate_requests(rid)
         except InvalidRequestError as err:
             raise ApiError.of(err) from None
-        shape = ResponseShape(False, f"cmpl-{rid}", router.served_model_name, body.return_token_ids)
+        shape = ResponseShape(
+            False,
+            f"cmpl-{rid}",
+            router.served_model_name,
+            body.return_token_ids,
+            router.tokenizer,
+            logprobs=body.logprobs,
+            echo=body.echo,
+            drop_output=body.echo and body.max_tokens == 0,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         return await respond(request, body, reqs, shape, "prompt")
 
     @app.post("/v1/chat/completions")
@@ -246,17 +315,29 @@ def build_app(router: Router) -> FastAPI:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             body.check_supported()
-            text = chat_template.render(
-                body.template_messages(), body.add_generation_prompt, **(body.chat_template_kwargs or {})
-            )
+            sampling = body.sampling(body.max_new_tokens)
+        except InvalidRequestError as err:
+            raise ApiError.of(err) from None
+        try:
+            kwargs = body.template_kwargs()
+        except InvalidRequestError as err:
+            raise ApiError(400, str(err), "chat_template_kwargs") from None
+        try:
+            text = chat_template.render(body.template_messages(), body.add_generation_prompt, **kwargs)
         except (InvalidRequestError, ChatTemplateError) as err:
             raise ApiError(400, str(err), "messages") from None
         # the router tokenizes the rendered text (off the loop, after admission); an unset max_tokens
         # means as many as fit
-        req = generate_pb2.GenerateRequest(
-            request_id=f"{rid}-0", text=text, sampling=body.sampling(body.max_new_tokens)
+        req = generate_pb2.GenerateRequest(request_id=f"{rid}-0", text=text, sampling=sampling)
+        shape = ResponseShape(
+            True,
+            f"chatcmpl-{rid}",
+            router.served_model_name,
+            body.return_token_ids,
+            router.tokenizer,
+            logprobs=body.output_logprobs,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
-        shape = ResponseShape(True, f"chatcmpl-{rid}", router.served_model_name, body.return_token_ids)
         return await respond(request, body, [req], shape, "messages", fill_max_tokens=True)
 
     async def respond(
@@ -272,6 +353,11 @@ def build_app(router: Router) -> FastAPI:
             if isinstance(err, (InvalidRequestError, RequestRejected)):
                 raise ApiError.of(err, prompt_field) from None
             raise
+        if shape.echo or shape.prompt_logprobs:
+            shape.prompts = [
+                Echo(r.text if r.HasField("text") else router.tokenizer.decode(h.ids), h.ids)
+                for r, h in zip(reqs, handles, strict=True)
+            ]
         fanout = Fanout(router, handles)
         if body.stream:
             events = sse(fanout, shape, len(reqs), body.include_usage, prompt_field)
@@ -292,20 +378,15 @@ def _event(obj: dict) -> str:
 async def sse(fanout: Fanout, shape: ResponseShape, n: int, include_usage: bool, prompt_field: str):
     """The stream's events: a chunk per message (the last of a choice carries its finish_reason and
     timings), then usage when asked for, then [DONE]. Closing it (a disconnect) cancels the requests."""
-    finished: list = [None] * n
-    first = [True] * n
+    states = [ChoiceState() for _ in range(n)]
     try:
         async for index, msg in fanout:
-            done = msg.finished if msg.HasField("finished") else None
-            chunk = shape.chunk(index, msg.text, list(msg.token_ids), done, first[index])
-            first[index] = False
+            chunk = shape.chunk(index, states[index], msg)
             if include_usage:
                 chunk["usage"] = None
-            if done is not None:
-                finished[index] = done
             yield _event(chunk)
         if include_usage:
-            yield _event(shape.usage_chunk(finished))
+            yield _event(shape.usage_chunk([s.finished for s in states]))
     except (InvalidRequestError, RequestRejected) as err:  # headers are sent: the error is an event
         yield _event(error_body(ApiError.of(err, prompt_field).status, str(err)))
     finally:
@@ -317,14 +398,11 @@ async def collect(
     request: Request, fanout: Fanout, shape: ResponseShape, n: int, prompt_field: str
 ) -> Response:
     """The whole response, or nothing if the client goes away first (its requests are then released)."""
-    texts, token_ids, finished = [""] * n, [[] for _ in range(n)], [None] * n
+    states = [ChoiceState() for _ in range(n)]
 
     async def gather() -> None:
         async for index, msg in fanout:
-            texts[index] += msg.text
-            token_ids[index] += msg.token_ids
-            if msg.HasField("finished"):
-                finished[index] = msg.finished
+            shape.add(index, states[index], msg)
 
     gathering = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -340,7 +418,7 @@ async def collect(
         gone.cancel()
         gathering.cancel()
         fanout.cancel()
-    return JSONResponse(shape.whole(texts, token_ids, finished))
+    return JSONResponse(shape.whole(states))
 
 
 async def _disconnected(request: Request) -> None:

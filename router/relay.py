@@ -13,13 +13,27 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from kvferry.convert import sampling_to_proto
-from kvferry.engine.output import OutputState
+from kvferry.convert import logprob_from_proto, logprobs_to_proto, sampling_to_proto
+from kvferry.engine.output import OutputState, RequestOutput
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.router.admission import Inflight, RequestRejected, WorkerFailed
 from kvferry.router.directory import Member
 from kvferry.router.failover import pick_excluding, resume_request
 from kvferry.v1 import generate_pb2, worker_pb2
+
+
+def response(request_id: str, out: RequestOutput) -> generate_pb2.GenerateResponse:
+    """The client's message of one increment of a request's output."""
+    message = generate_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=out.new_token_ids,
+        text=out.text,
+        logprobs=logprobs_to_proto(out.logprobs),
+    )
+    if out.prompt_logprobs is not None:
+        message.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+    return message
+
 
 _FINISH = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
@@ -109,9 +123,12 @@ class StreamRelay:
                 first_message = False
                 if "ttft_ms" not in timings and msg.token_ids:
                     timings["ttft_ms"] = (time.perf_counter() - relay.t0) * 1e3
+                if msg.prompt_logprobs:  # colocated: the worker scored the prompt
+                    req.prompt_logprobs = [logprob_from_proto(x) for x in msg.prompt_logprobs]
                 status = None
-                for token in msg.token_ids:
-                    status = state.add_token(token)
+                logprobs = [logprob_from_proto(x) for x in msg.logprobs] or [None] * len(msg.token_ids)
+                for token, logprob in zip(msg.token_ids, logprobs, strict=True):
+                    status = state.add_token(token, logprob)
                     if status is not None:
                         break
                 if status is None and msg.finish_reason:
@@ -124,9 +141,7 @@ class StreamRelay:
                     return
                 out = state.emit()
                 if out.new_token_ids:
-                    yield generate_pb2.GenerateResponse(
-                        request_id=handle.request_id, token_ids=out.new_token_ids, text=out.text
-                    )
+                    yield response(handle.request_id, out)
         except grpc.aio.AioRpcError as err:
             raise self._failed(worker, "decode", err) from None
         finally:
@@ -141,16 +156,15 @@ class StreamRelay:
         out = state.emit()
         timings = dict(timings)
         timings["e2e_ms"] = (time.perf_counter() - t0) * 1e3
-        return generate_pb2.GenerateResponse(
-            request_id=handle.request_id,
-            token_ids=out.new_token_ids,
-            text=out.text,
-            finished=generate_pb2.Finished(
+        message = response(handle.request_id, out)
+        message.finished.CopyFrom(
+            generate_pb2.Finished(
                 finish_reason=req.status.finish_reason or "abort",
                 prompt_tokens=req.num_prompt_tokens,
                 output_tokens=len(req.output_token_ids),
                 cached_tokens=cached[0],
                 pool_cached_tokens=cached[1],
                 timings=generate_pb2.Timings(**timings),
-            ),
+            )
         )
+        return message

@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvferry.auth import Credentials, cluster_secret, server_interceptors
-from kvferry.convert import sampling_to_proto
+from kvferry.convert import logprob_from_proto, sampling_to_proto
 from kvferry.engine.block_hash import block_keys
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import (
@@ -51,7 +51,7 @@ from kvferry.router.dispatch import PrefillDispatch, cached_of
 from kvferry.router.http_server import start_http
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import ROUTING_MODES, PrefillRouting, RoutingConfig
-from kvferry.router.relay import Relay, StreamRelay
+from kvferry.router.relay import Relay, StreamRelay, response
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
@@ -262,14 +262,15 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
             "kv_transfer_ms": prefill.kv_put_ms,
             "ttft_ms": ttft * 1e3,
         }
-        status = state.add_token(prefill.first_token_id)
+        req.prompt_logprobs = [logprob_from_proto(x) for x in prefill.prompt_logprobs]
+        first = logprob_from_proto(prefill.first_logprob) if prefill.HasField("first_logprob") else None
+        status = state.add_token(prefill.first_token_id, first)
         if status is not None:
             req.status = status
             handle.release_pool = True  # no decode will pull the private tail: release it
             yield self._final(handle, req, state, None, cached_of(prefill), timings, t0)
             return
-        out = state.emit()
-        yield generate_pb2.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.text)
+        yield response(rid, state.emit())
 
         if handle.aborted:  # Abort() came while the first token was on its way
             yield self._final(handle, req, state, "abort", cached_of(prefill), timings, t0)
@@ -278,7 +279,8 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
             request_id=rid,
             prompt_token_ids=ids,
             first_token_id=prefill.first_token_id,
-            sampling=sampling_to_proto(replace(params, stop=())),  # stop strings are applied here
+            # stop strings are applied here; the prompt's logprobs came with the prefill
+            sampling=sampling_to_proto(replace(params, stop=(), prompt_logprobs=None)),
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
             keys=prompt_keys,

@@ -170,7 +170,16 @@ def post(url: str, body: dict | bytes) -> tuple[int, dict]:
         ({"prompt": [1, 99999]}, 400, "prompt", "[0, 8192)"),
         ({"prompt": ""}, 400, "prompt", "must not be empty"),
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_model_len is 1024"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
+        (
+            {"prompt": "x", "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "not supported",
+        ),
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "[0, 8192)"),
+        ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens", "max_tokens=2"),
         ({"prompt": "x", "n": 2}, 400, "n", "must be 1"),
         ({"max_tokens": 3}, 400, "prompt", "Field required"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
@@ -431,3 +440,150 @@ def test_many_concurrent_streams_all_complete(api):
     with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
         reasons = list(pool.map(one, range(3 * MAX_INFLIGHT)))
     assert all(r[-1] in ("length", "stop") and r[:-1] == [None] * (len(r) - 1) for r in reasons)
+
+
+# -- logprobs, echo, the sampling controls, /tokenize (issue 28) -------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+LOGPROB_TOL = 2e-4
+
+
+def test_echo_logprobs_are_transformers_loglikelihoods(cluster, hf_model):
+    """What lm-eval's loglikelihood asks: echo + logprobs + max_tokens 0, every prompt token scored."""
+    ids = prompt_ids(60, 37)
+    body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    code, reply = post(cluster.http_url + "/v1/completions", body)
+    assert code == 200, reply
+    choice = reply["choices"][0]
+    got = choice["logprobs"]
+    ref = hf_log_softmax(hf_model, ids)
+    assert len(got["token_logprobs"]) == len(ids) and got["token_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert got["token_logprobs"][j] == pytest.approx(ref[j - 1, ids[j]].item(), abs=LOGPROB_TOL)
+    assert reply["usage"]["completion_tokens"] == 0
+    # again: the prompt's blocks are cached now, and prompt logprobs still score every token
+    code, again = post(cluster.http_url + "/v1/completions", body)
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == got["token_logprobs"]
+
+
+def test_output_logprobs_through_prefill_and_decode(api, grpc_client, hf_model):
+    ids = prompt_ids(61, 21)
+    out = api.completions.create(
+        model=NAME,
+        prompt=ids,
+        max_tokens=6,
+        logprobs=2,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = out.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    ref = hf_log_softmax(hf_model, ids + tokens)
+    assert len(choice.logprobs.token_logprobs) == 6
+    for i, (token, value) in enumerate(zip(tokens, choice.logprobs.token_logprobs, strict=True)):
+        assert value == pytest.approx(ref[len(ids) - 1 + i, token].item(), abs=LOGPROB_TOL)
+        assert len(choice.logprobs.top_logprobs[i]) >= 2
+    streamed = api.completions.create(
+        model=NAME,
+        prompt=ids,
+        max_tokens=6,
+        logprobs=2,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    values = [
+        v
+        for chunk in streamed
+        for v in (chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else [])
+    ]
+    assert values == choice.logprobs.token_logprobs
+    # gRPC: the same figures, and the prompt's
+    request = build_request(
+        prompt_token_ids=ids, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0
+    )
+    messages = list(grpc_client.stream(request, timeout=60))
+    lps = [lp for m in messages for lp in m.logprobs]
+    assert [lp.token_id for lp in lps] == tokens
+    assert [pytest.approx(lp.logprob, abs=1e-6) for lp in lps] == choice.logprobs.token_logprobs
+    assert len(messages[0].prompt_logprobs) == len(ids) - 1
+
+
+def test_chat_logprobs_with_the_openai_client(api):
+    out = api.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0.0,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_penalties_and_min_tokens_through_the_cluster(api, hf_model, tiny_model_dir):
+    ids = prompt_ids(62, 19)
+    out = api.completions.create(
+        model=NAME,
+        prompt=ids,
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.8, "return_token_ids": True},
+    )
+    with torch.inference_mode():
+        ref = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.8,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out.choices[0].model_extra["token_ids"] == ref[0, len(ids) :].tolist()
+    # min_tokens: EOS pushed to the top is held back for 5 tokens (the first made by the prefill worker)
+    eos = Tokenizer(tiny_model_dir).eos_token_id
+    pushed = {"logit_bias": {str(eos): 100}, "return_token_ids": True}
+    out = api.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0.0, extra_body=pushed)
+    assert out.choices[0].model_extra["token_ids"] == [eos] and out.choices[0].finish_reason == "stop"
+    out = api.completions.create(
+        model=NAME, prompt=ids, max_tokens=12, temperature=0.0, extra_body={**pushed, "min_tokens": 5}
+    )
+    got = out.choices[0].model_extra["token_ids"]
+    assert len(got) == 6 and got[-1] == eos and eos not in got[:5] and out.choices[0].finish_reason == "stop"
+    out = api.completions.create(
+        model=NAME,
+        prompt=ids,
+        max_tokens=16,
+        temperature=1.0,
+        seed=4,
+        extra_body={"allowed_token_ids": [11, 12], "return_token_ids": True, "ignore_eos": True},
+    )
+    assert set(out.choices[0].model_extra["token_ids"]) <= {11, 12}
+
+
+def test_tokenize_detokenize_and_bad_template_kwargs(cluster, tiny_model_dir):
+    code, reply = post(cluster.http_url + "/tokenize", {"prompt": "hello there"})
+    assert code == 200 and reply["tokens"] == Tokenizer(tiny_model_dir).encode("hello there")
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == 1024
+    code, back = post(cluster.http_url + "/detokenize", {"tokens": reply["tokens"]})
+    assert code == 200 and back["prompt"] == "hello there"
+    code, chat = post(cluster.http_url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert code == 200 and chat["count"] > 2
+    code, bad = post(cluster.http_url + "/detokenize", {"tokens": [1, 99999]})
+    assert code == 400 and bad["error"]["param"] == "tokens"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}
+    code, bad = post(cluster.http_url + "/v1/chat/completions", body)
+    assert code == 400 and bad["error"]["param"] == "chat_template_kwargs", bad

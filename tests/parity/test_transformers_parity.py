@@ -156,3 +156,53 @@ def test_triton_kernels_match_transformers(checkpoint, prompts, reference):
     before = engine.block_manager.hits
     assert run_all(engine, prompts[6:]) == reference[6:]  # both share prompt 0's first 3 blocks
     assert engine.block_manager.hits - before == 2 * 48
+
+
+LOGPROB_TOL = 2e-4  # float32 logits of two implementations (absolute, in nats)
+
+
+def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint, hf_model, prompts, reference):
+    """The sampled tokens' logprobs (and top 3), and every prompt token's, are transformers' log-softmax;
+    a second run of the same prompts (a prefix-cache hit for most) scores the prompt all the same."""
+    engine = make_engine(checkpoint)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    for _ in range(2):
+        done = engine.generate([{"prompt_token_ids": p, "params": params} for p in prompts[:4]])
+        for prompt, ref, c in zip(prompts, reference, done, strict=False):
+            assert c.output_token_ids == ref[:8]
+            full = hf_log_softmax(hf_model, prompt + ref[:8])
+            for i, (token, lp) in enumerate(zip(c.output_token_ids, c.logprobs, strict=True)):
+                row = full[len(prompt) - 1 + i]
+                assert lp.token_id == token and lp.rank == 1
+                assert lp.logprob == pytest.approx(row[token].item(), abs=LOGPROB_TOL)
+                assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+            assert len(c.prompt_logprobs) == len(prompt) - 1
+            for j, lp in enumerate(c.prompt_logprobs, 1):
+                assert lp.token_id == prompt[j]
+                assert lp.logprob == pytest.approx(full[j - 1, prompt[j]].item(), abs=LOGPROB_TOL)
+                assert lp.rank == int((full[j - 1] > full[j - 1, prompt[j]]).sum()) + 1
+                assert len(lp.top) == 2
+
+
+def test_repetition_penalty_matches_transformers_generate(checkpoint, hf_model, prompts):
+    """Greedy with a repetition penalty (over prompt and output tokens, as transformers applies it)."""
+    engine = make_engine(checkpoint)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.8)
+    done = engine.generate([{"prompt_token_ids": p, "params": params} for p in prompts[:3]])
+    with torch.inference_mode():
+        for prompt, c in zip(prompts, done, strict=False):
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=16,
+                do_sample=False,
+                repetition_penalty=1.8,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            assert c.output_token_ids == out[0, len(prompt) :].tolist()

@@ -10,9 +10,16 @@ import pytest
 
 from kvferry.engine.request import InvalidRequestError
 from kvferry.model.chat_template import CHATML, ChatTemplate, ChatTemplateError
+from kvferry.model.tokenizer import Tokenizer
 from kvferry.router.directory import Directory, Member, PoolMember
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
+from kvferry.router.openai_protocol import (
+    ChatCompletionRequest,
+    ChoiceState,
+    CompletionRequest,
+    Echo,
+    ResponseShape,
+)
 from kvferry.v1 import generate_pb2
 
 
@@ -41,13 +48,48 @@ def test_sampling_fields_map_to_the_grpc_names_with_openai_defaults():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("logprobs", 1), ("echo", True), ("best_of", 2), ("presence_penalty", 0.5), ("logit_bias", {"1": 2})],
+    [("best_of", 2), ("suffix", "x"), ("response_format", {"type": "json_object"}), ("guided_regex", "a+")],
 )
 def test_unimplemented_fields_are_refused_by_name_unless_neutral(field, value):
     with pytest.raises(InvalidRequestError, match=f"^{field}="):
         CompletionRequest(prompt="x", **{field: value}).generate_requests("r")
-    neutral = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0.0, "logit_bias": None}
+    neutral = {"best_of": 1, "suffix": None, "response_format": {"type": "text"}, "guided_regex": None}
     CompletionRequest(prompt="x", **{field: neutral[field]}).generate_requests("r")  # what clients send
+
+
+def test_sampling_controls_and_logprobs_map_to_the_grpc_fields():
+    body = CompletionRequest(
+        prompt="x",
+        logprobs=2,
+        echo=True,
+        max_tokens=0,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=0,
+        logit_bias={"5": -100, "7": 2.5},
+        allowed_token_ids=[5, 6, 7],
+        include_stop_str_in_output=True,
+    )
+    (req,) = body.generate_requests("r")
+    p = req.sampling
+    assert p.max_tokens == 1 and p.logprobs == 2 and p.prompt_logprobs == 2  # echo: the prompt's too
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5) and p.repetition_penalty == pytest.approx(
+        1.2
+    )
+    assert dict(p.logit_bias) == {5: -100.0, 7: 2.5} and list(p.allowed_token_ids) == [5, 6, 7]
+    assert p.include_stop_str_in_output and p.min_p == pytest.approx(0.1)
+    with pytest.raises(InvalidRequestError, match="logit_bias keys must be token ids"):
+        CompletionRequest(prompt="x", logit_bias={"a": 1}).generate_requests("r")
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3)
+    assert chat.sampling(4).logprobs == 3
+    with pytest.raises(InvalidRequestError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=3).sampling(4)
+    with pytest.raises(InvalidRequestError, match=r"^chat_template_kwargs.messages"):
+        ChatCompletionRequest(
+            messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"messages": []}
+        ).template_kwargs()
 
 
 def test_shape_errors_name_the_field():
@@ -88,14 +130,24 @@ def finished(reason="length", prompt=5, output=3, cached=2, pool=1) -> generate_
     )
 
 
+def message(text: str, ids: list[int], done=None, logprobs=(), prompt_logprobs=()):
+    msg = generate_pb2.GenerateResponse(
+        text=text, token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    )
+    if done is not None:
+        msg.finished.CopyFrom(done)
+    return msg
+
+
 def test_chunks_usage_and_whole_responses_have_openai_shapes():
     shape = ResponseShape(chat=True, response_id="chatcmpl-1", model="m", return_token_ids=True)
-    first = shape.chunk(0, "hi", [7], first=True)
+    state = ChoiceState()
+    first = shape.chunk(0, state, message("hi", [7]))
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {
         "role": "assistant",
         "content": "hi",
     }
-    last = shape.chunk(0, "", [8], finished(), first=False)
+    last = shape.chunk(0, state, message("", [8], finished()))
     assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["token_ids"] == [8]
     assert last["timings"]["prefill_ms"] == 2 and last["timings"]["pool_cached_tokens"] == 1
     usage = shape.usage_chunk([finished(), finished(prompt=4, output=1, cached=0, pool=0)])
@@ -106,10 +158,57 @@ def test_chunks_usage_and_whole_responses_have_openai_shapes():
         "prompt_tokens_details": {"cached_tokens": 2},
     }
     text = ResponseShape(chat=False, response_id="cmpl-1", model="m", return_token_ids=False)
-    whole = text.whole(["abc"], [[1, 2, 3]], [finished(reason="stop")])
+    whole_state = ChoiceState()
+    text.add(0, whole_state, message("abc", [1, 2, 3], finished(reason="stop")))
+    whole = text.whole([whole_state])
     assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "abc"
     assert whole["choices"][0]["finish_reason"] == "stop" and "token_ids" not in whole["choices"][0]
     json.dumps(whole)  # serialisable as is
+
+
+def lp(token: int, value: float, top=()) -> generate_pb2.TokenLogprob:
+    ids, values = zip(*top, strict=True) if top else ((), ())
+    return generate_pb2.TokenLogprob(token_id=token, logprob=value, rank=1, top_ids=ids, top_logprobs=values)
+
+
+def test_logprobs_and_echo_in_the_completions_and_chat_shapes(tiny_model_dir):
+    tok = Tokenizer(tiny_model_dir)
+    ids = tok.encode("hello there world")
+    shape = ResponseShape(
+        False, "cmpl-1", "m", False, tok, logprobs=1, prompts=[Echo("hello there world", ids)], echo=True
+    )
+    state = ChoiceState()
+    prompt_lps = [lp(t, -1.0 - i, [(t, -1.0 - i)]) for i, t in enumerate(ids[1:])]
+    shape.add(0, state, message(" x", [42], None, [lp(42, -0.5, [(9, -0.25)])], prompt_lps))
+    shape.add(0, state, message("", [43], finished(reason="stop"), [lp(43, float("-inf"))]))
+    choice = shape.whole([state])["choices"][0]
+    got = choice["logprobs"]
+    assert choice["text"] == "hello there world x"
+    n = len(ids)
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:n] == [pytest.approx(-1.0 - i) for i in range(n - 1)]
+    assert got["token_logprobs"][n:] == [-0.5, -9999.0]  # -inf is not JSON: vLLM's floor
+    assert got["top_logprobs"][n] == {
+        tok.decode([42], skip_special_tokens=False): -0.5,
+        tok.decode([9], skip_special_tokens=False): -0.25,
+    }
+    assert got["text_offset"] == sorted(got["text_offset"]) and len(got["tokens"]) == n + 2
+    dropped = ResponseShape(
+        False, "c", "m", False, tok, logprobs=0, prompts=[Echo("a", [5])], echo=True, drop_output=True
+    )
+    state = ChoiceState()
+    dropped.add(0, state, message("zz", [9], finished(), [lp(9, -1.0)]))
+    whole = dropped.whole([state])
+    assert whole["choices"][0]["text"] == "a" and whole["choices"][0]["logprobs"]["tokens"] == [
+        tok.decode([5], skip_special_tokens=False)
+    ]
+    assert whole["usage"]["completion_tokens"] == 0
+    chat = ResponseShape(True, "c", "m", False, tok, logprobs=1)
+    state = ChoiceState()
+    chunk = chat.chunk(0, state, message("x", [42], None, [lp(42, -0.5, [(9, -0.25), (42, -0.5)])]))
+    (entry,) = chunk["choices"][0]["logprobs"]["content"]
+    assert entry["logprob"] == -0.5 and entry["bytes"] == list(entry["token"].encode())
+    assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.25]  # top_logprobs=1
 
 
 def test_chatml_template_of_the_builtin_models(tiny_model_dir):

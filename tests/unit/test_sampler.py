@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from kvferry.model.sampler import SamplingSpec, apply_top_k_top_p, sample
+from kvferry.model.sampler import SampleRow, SamplingSpec, apply_top_k_top_p, sample, token_logprobs
+
+
+def draw(logits, specs, generators) -> list[int]:
+    """One token per row for these specs and generators (no controls)."""
+    rows = [SampleRow(spec, gen) for spec, gen in zip(specs, generators, strict=True)]
+    return [s.token for s in sample(logits, rows)]
+
 
 LOGITS = [1.0, 2.0, 0.5, -1.0, 1.5, 0.0]
 
@@ -40,13 +47,13 @@ def kept(masked: torch.Tensor) -> set[int]:
 def test_greedy_picks_argmax_per_row_and_ignores_generators():
     logits = torch.tensor([[0.1, 3.0, -2.0, 2.9], [5.0, 0.0, 4.9, 1.0], [-3.0, -2.0, -1.0, -1.5]])
     specs = [SamplingSpec(temperature=0.0, top_k=2, top_p=0.5)] * 3
-    assert sample(logits, specs, [None, torch.Generator().manual_seed(1), None]) == [1, 0, 2]
+    assert draw(logits, specs, [None, torch.Generator().manual_seed(1), None]) == [1, 0, 2]
 
 
 def test_mixed_batch_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 9.0, 1.0], [0.0, 0.0, 50.0]])
     specs = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=1.0)]
-    assert sample(logits, specs, [None, torch.Generator().manual_seed(0)]) == [1, 2]
+    assert draw(logits, specs, [None, torch.Generator().manual_seed(0)]) == [1, 2]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -92,9 +99,9 @@ def test_temperature_is_applied_before_top_p():
     # At T=1 top_p=0.7 keeps {0, 1}; at T=0.5 token 0 has mass 0.78 >= 0.7, so only token 0 survives.
     logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
     gen = torch.Generator().manual_seed(0)
-    cold = sample(logits.expand(400, 3), [SamplingSpec(0.5, 0, 0.7)] * 400, [gen] * 400)
+    cold = draw(logits.expand(400, 3), [SamplingSpec(0.5, 0, 0.7)] * 400, [gen] * 400)
     assert set(cold) == {0}
-    warm = sample(logits.expand(400, 3), [SamplingSpec(1.0, 0, 0.7)] * 400, [gen] * 400)
+    warm = draw(logits.expand(400, 3), [SamplingSpec(1.0, 0, 0.7)] * 400, [gen] * 400)
     assert set(warm) == {0, 1}
 
 
@@ -120,7 +127,7 @@ def test_sample_end_to_end_distribution():
     n = 4000
     gen = torch.Generator().manual_seed(7)
     spec = SamplingSpec(temperature, top_k, top_p)
-    draws = sample(torch.tensor([LOGITS]).expand(n, -1), [spec] * n, [gen] * n)
+    draws = draw(torch.tensor([LOGITS]).expand(n, -1), [spec] * n, [gen] * n)
     for got, want in zip(frequencies(draws, len(LOGITS)), ref, strict=True):
         assert got == pytest.approx(want, abs=0.03)
         if want == 0:
@@ -130,10 +137,82 @@ def test_sample_end_to_end_distribution():
 def _draw(seed: int, n: int = 64) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.zeros(n, 16)  # uniform over 16 tokens: sequences of different seeds will differ
-    return sample(logits, [SamplingSpec(1.0)] * n, [gen] * n)
+    return draw(logits, [SamplingSpec(1.0)] * n, [gen] * n)
 
 
 def test_same_seed_same_samples_different_seed_different_samples():
     assert _draw(42) == _draw(42)
     assert _draw(42) != _draw(43)
     assert len(set(_draw(42))) > 1
+
+
+# -- logprobs and the controls (presence/frequency/repetition penalties, min_p, logit_bias, the token set)
+def test_logprobs_are_the_raw_log_softmax_with_rank_and_top_k():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [3.0, 0.0, 0.0, 2.0]])
+    rows = [SampleRow(SamplingSpec(temperature=0.0, logprobs=2)), SampleRow(SamplingSpec(0.0, logprobs=0))]
+    out = sample(logits, rows)
+    ref = torch.log_softmax(logits, -1)
+    assert [o.token for o in out] == [1, 0]
+    assert out[0].logprob.logprob == pytest.approx(ref[0, 1].item())
+    assert out[0].logprob.rank == 1
+    assert [t for t, _ in out[0].logprob.top] == [1, 3]
+    assert out[1].logprob.top == []
+    # a token that is not the most likely: its rank counts the tokens above it
+    found = token_logprobs(logits, [0], [2], [1])[0]
+    assert found.rank == 4 and found.logprob == pytest.approx(ref[0, 2].item())
+
+
+def test_logprobs_are_taken_before_the_controls():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    spec = SamplingSpec(temperature=0.0, logit_bias=((0, 50.0),), logprobs=1)
+    out = sample(logits, [SampleRow(spec)])[0]
+    assert out.token == 0  # the bias chose it
+    assert out.logprob.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
+    assert out.logprob.top[0][0] == 2  # the model's own favourite
+
+
+def test_penalties_match_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.0, -0.5])
+    prompt, outputs = [3], [1, 1, 2]
+    spec = SamplingSpec(0.0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    from kvferry.model.sampler import apply_controls
+
+    got = apply_controls(logits.clone(), SampleRow(spec, prompt=prompt, outputs=outputs))
+    expected = logits.clone()
+    for t in {*prompt, *outputs}:  # repetition: prompt and outputs, divided when positive
+        expected[t] = expected[t] / 2.0 if expected[t] > 0 else expected[t] * 2.0
+    for t in set(outputs):  # frequency per occurrence, presence once (outputs only)
+        expected[t] -= 0.25 * outputs.count(t) + 0.5
+    assert torch.allclose(got, expected)
+
+
+def test_transformers_repetition_penalty_agrees():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=gen)
+    seen = torch.randint(0, 50, (1, 12), generator=gen)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
+    from kvferry.model.sampler import apply_controls
+
+    row = SampleRow(
+        SamplingSpec(0.0, repetition_penalty=1.3), prompt=seen[0, :6].tolist(), outputs=seen[0, 6:].tolist()
+    )
+    assert torch.allclose(apply_controls(logits[0].clone(), row), ref[0])
+
+
+def test_allowed_tokens_bans_and_min_p_limit_what_is_drawn():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.zeros(200, 10)
+    spec = SamplingSpec(1.0, allowed_token_ids=(2, 3, 4))
+    rows = [SampleRow(spec, gen, banned=(3,)) for _ in range(200)]
+    assert {s.token for s in sample(logits, rows)} == {2, 4}
+    peaked = torch.tensor([[4.0, 3.0, 0.0, 0.0, -1.0]]).expand(300, 5)
+    drawn = {s.token for s in sample(peaked, [SampleRow(SamplingSpec(1.0, min_p=0.2), gen)] * 300)}
+    assert drawn == {0, 1}  # p(2) / p(0) = e^-4 < 0.2
+
+
+def test_a_batch_without_controls_never_copies_the_logits(monkeypatch):
+    logits = torch.randn(4, 16)
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self: pytest.fail("copied"))
+    assert len(sample(logits, [SampleRow(SamplingSpec(0.0))] * 4)) == 4
