@@ -1,9 +1,16 @@
 """What several integration test modules use: waiting on a condition, the cluster's members, leak checks,
-the router's /metrics."""
+the router's /metrics, a `kvferry up` run as a user runs it."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from kvferry import rpc
 from kvferry.deploy.fault_harness import wait_for  # the fault harness's: one condition wait for both
@@ -64,3 +71,46 @@ def metric(cluster, name: str, **labels) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") and all(w in line for w in want)
     )
+
+
+@dataclass
+class UpCluster:
+    """A running `kvferry up`: its process, the router's gRPC address and the OpenAI API's base URL."""
+
+    proc: subprocess.Popen
+    router_addr: str
+    api_url: str  # http://HOST:PORT/v1
+    lines: list[str]
+
+    @property
+    def http_url(self) -> str:
+        return self.api_url.removesuffix("/v1")
+
+
+@contextlib.contextmanager
+def kvferry_up(model_dir, log_dir, *flags: str, timeout_s: float = 240) -> Iterator[UpCluster]:
+    """`kvferry up --model model_dir ... flags` as a user runs it, on free ports; stopped with SIGTERM
+    (killed if it does not stop) however the test ends."""
+    argv = [sys.executable, "-m", "kvferry.cli", "up", "--model", str(model_dir), "--port", "0"]
+    argv += ["--http-port", "0", "--log-dir", str(log_dir), *flags]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+
+        def ready() -> str | None:
+            assert proc.poll() is None, "kvferry up exited:\n" + "".join(lines)
+            return next((line for line in list(lines) if "ready" in line and "router at " in line), None)
+
+        line = wait_for(ready, timeout_s, what="kvferry up's ready line")
+        addr = line.split("router at ")[1].split()[0]
+        api = line.split("OpenAI API at ")[1].split(",")[0].split()[0]
+        yield UpCluster(proc, addr, api, lines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
