@@ -64,7 +64,15 @@ class RouterSettings:
     port: int = 50051
     max_inflight: int = 256
     http_port: int | None = 8000  # OpenAI-compatible API + /metrics; None = off, 0 = any free
-    served_model_name: str | None = None  # the OpenAI API's model name (default: `model`)
+    # the APIs' model name(s): one, or a list (every one accepted, the first shown; default: `model`)
+    served_model_name: str | list[str] | None = None
+    chat_template: str | None = (
+        None  # the chat API's template: a Jinja file or the text (default: the model's)
+    )
+    generation_config: str = (
+        "auto"  # sampling defaults: auto (the model's generation_config.json) | vllm | DIR
+    )
+    uvicorn_log_level: str = "warning"
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients send one (Bearer); () = open
     ssl_certfile: str | None = None  # the router serves TLS (gRPC and HTTP) with this cert and key
     ssl_keyfile: str | None = None
@@ -152,6 +160,7 @@ _TOP_OVERRIDES = {
     "internal_tls",
 }
 INTERNAL_TLS = ("auto", "on", "off")
+ENGINE_OVERRIDES = ("max_num_seqs", "max_model_len", "enable_prefix_caching")  # `kvferry up` flags
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 
@@ -227,6 +236,15 @@ class ClusterConfig:
             raise ClusterConfigError(
                 f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {self.router.routing!r}"
             )
+        gen = self.router.generation_config
+        if gen not in ("auto", "vllm") and not (Path(gen).expanduser() / "generation_config.json").is_file():
+            raise ClusterConfigError(
+                f"router.generation_config (--generation-config) must be auto, vllm or a directory holding "
+                f"a generation_config.json, got {gen!r}"
+            )
+        template = self.router.chat_template
+        if template and "{" not in template and not Path(template).expanduser().is_file():
+            raise ClusterConfigError(f"router.chat_template (--chat-template): no such file {template!r}")
         if self.cluster_host in ("0.0.0.0", "::", ""):
             raise ClusterConfigError(
                 f"cluster_host {self.cluster_host!r} would expose workers, pool nodes and redis; "
@@ -370,8 +388,13 @@ class ClusterConfig:
             cfg = replace(cfg, router=replace(cfg.router, http_port=None))
         elif values.get("http_port") is not None:
             cfg = replace(cfg, router=replace(cfg.router, http_port=values["http_port"]))
-        if values.get("served_model_name") is not None:
-            cfg = replace(cfg, router=replace(cfg.router, served_model_name=values["served_model_name"]))
+        for key in ("served_model_name", "chat_template", "generation_config", "uvicorn_log_level"):
+            if values.get(key) is not None:
+                cfg = replace(cfg, router=replace(cfg.router, **{key: values[key]}))
+        engine = {k: values[k] for k in ENGINE_OVERRIDES if values.get(k) is not None}
+        if engine:  # vLLM's engine flags: every group's engine
+            for group in ("prefill", "decode"):
+                cfg = cfg._each(group, lambda s, e=engine: replace(s, engine={**s.engine, **e}))
         if values.get("api_keys"):
             cfg = replace(cfg, router=replace(cfg.router, api_keys=tuple(values["api_keys"])))
         for key in ("ssl_certfile", "ssl_keyfile"):

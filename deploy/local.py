@@ -462,9 +462,14 @@ def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, http_port:
     OpenAI API's (None = off). The API keys go in the environment (KVFERRY_API_KEY), never here."""
     router = cfg.router
     served = router.served_model_name or cfg.model
+    names = [
+        x for name in ([served] if isinstance(served, str) else served) for x in ("--served-model-name", name)
+    ]
     tls = ["--ssl-certfile", router.ssl_certfile, "--ssl-keyfile", router.ssl_keyfile]
+    template = ["--chat-template", router.chat_template] if router.chat_template else []
     return [
-        *(sys.executable, "-m", "kvferry.router", "--model", model, "--served-model-name", served),
+        *(sys.executable, "-m", "kvferry.router", "--model", model, *names, *template),
+        *("--generation-config", router.generation_config, "--uvicorn-log-level", router.uvicorn_log_level),
         *_common(cfg, host),
         *("--port", str(port), "--max-inflight", str(router.max_inflight), "--routing", router.routing),
         *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),

@@ -334,7 +334,37 @@ def _up_parser(sub) -> None:
         help="the router's OpenAI-compatible API and /metrics (default 8000; 0 = any free)",
     )
     up.add_argument("--no-http", action="store_true", default=None, help="serve the gRPC API only")
-    up.add_argument("--served-model-name", default=None, help="the OpenAI API's model name (default --model)")
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the APIs' model name(s): every one is accepted, the first is shown (default --model)",
+    )
+    up.add_argument(
+        "--chat-template", default=None, help="the chat API's template: a Jinja file, or the template itself"
+    )
+    up.add_argument(
+        "--generation-config",
+        default=None,
+        help="sampling defaults for unset request fields: auto (the model's generation_config.json, the "
+        "default), vllm (none), or a directory holding a generation_config.json",
+    )
+    up.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the HTTP server's log level (default warning)",
+    )
+    up.add_argument("--max-num-seqs", type=int, default=None, help="requests a worker batches at most")
+    up.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)"
+    )
+    up.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the workers' prefix caches (default on)",
+    )
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--prefill-replicas", type=int, default=None)
     up.add_argument("--decode-replicas", type=int, default=None)
@@ -399,6 +429,12 @@ def _cmd_up(args) -> int:
         http_port=args.http_port,
         no_http=args.no_http,
         served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        generation_config=args.generation_config,
+        uvicorn_log_level=args.uvicorn_log_level,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

@@ -11,21 +11,26 @@ from kvferry.v1 import generate_pb2
 DEFAULT_MAX_TOKENS = 16
 
 
-def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> SamplingParams, filling unset optional fields with the API defaults (not validated)."""
+def sampling_from_proto(p: generate_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Proto -> SamplingParams, filling unset fields with `defaults` (the model's generation config: see
+    `model.config.generation_defaults`), else the API defaults (not validated). top_k and min_p are unset
+    at 0."""
+    d = defaults or {}
     return SamplingParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else d.get("max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=p.temperature if p.HasField("temperature") else d.get("temperature", 1.0),
+        top_k=p.top_k or d.get("top_k", 0),
+        top_p=p.top_p if p.HasField("top_p") else d.get("top_p", 1.0),
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
-        min_p=p.min_p,
+        min_p=p.min_p or d.get("min_p", 0.0),
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=(
+            p.repetition_penalty if p.HasField("repetition_penalty") else d.get("repetition_penalty", 1.0)
+        ),
         min_tokens=p.min_tokens,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         allowed_token_ids=tuple(p.allowed_token_ids),

@@ -57,6 +57,20 @@ class ChatTemplate:
             source = {t.get("name"): t.get("template") for t in source}.get("default")
         return cls(source, special) if isinstance(source, str) and source else None
 
+    @classmethod
+    def load(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+        """--chat-template (a Jinja file, or the template text itself) when given, else the model's."""
+        if override is None:
+            return cls.from_dir(model_dir)
+        model = cls.from_dir(model_dir)
+        special = model.special if model is not None else {}
+        path = Path(override).expanduser()
+        if path.is_file():
+            return cls(path.read_text(), special)
+        if "{" not in override:  # a path that is not there, not a template
+            raise ChatTemplateError(f"--chat-template {override}: no such file")
+        return cls(override, special)
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for `messages` ([{role, content}], content a string)."""
         try:

@@ -102,6 +102,39 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     return _token_ids(json.loads(path.read_text()).get("eos_token_id"))
 
 
+GENERATION_DEFAULTS = {  # generation_config.json field -> the sampling field it is the default of
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict:
+    """vLLM's --generation-config: the sampling defaults for fields a request leaves unset, from the
+    model's generation_config.json (`auto`), none (`vllm`), or the one in directory `source`."""
+    if source == "vllm":
+        return {}
+    folder = Path(model_dir) if source == "auto" else Path(source)
+    path = folder / "generation_config.json"
+    if source != "auto" and not path.is_file():
+        raise ModelConfigError(f"--generation-config {source}: no generation_config.json there")
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelConfigError(f"{path}: {err}") from None
+    out = {}
+    for name, field in GENERATION_DEFAULTS.items():
+        value = raw.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+    return out
+
+
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     """An HF `eos_token_id` field (one id, a list, or absent) as a tuple."""
     return tuple(value if isinstance(value, list) else [] if value is None else [value])

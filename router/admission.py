@@ -99,9 +99,10 @@ class Admission:
                 raise InvalidRequestError("prompt.text encodes to no tokens")
         else:
             ids = list(request.token_ids.ids)
-        params = sampling_from_proto(request.sampling)
+        params = sampling_from_proto(request.sampling, self.sampling_defaults)
         if fill_max_tokens and not request.sampling.HasField("max_tokens"):
-            params = replace(params, max_tokens=max(1, model.max_model_len - len(ids)))
+            room = max(1, model.max_model_len - len(ids))  # as many as fit, or the generation config's
+            params = replace(params, max_tokens=min(room, self.sampling_defaults.get("max_tokens", room)))
         ids = validate_request(
             ids,
             params,

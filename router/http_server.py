@@ -38,7 +38,7 @@ class HttpServer:
             port=port,
             lifespan="off",
             access_log=False,
-            log_level="warning",
+            log_level=router.cfg.uvicorn_log_level,
             timeout_graceful_shutdown=5,
             ssl_certfile=certfile,
             ssl_keyfile=keyfile,

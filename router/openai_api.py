@@ -176,8 +176,8 @@ class Gate:
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry cluster")
-    chat_template = ChatTemplate.from_dir(router.model_dir)
-    names = {router.served_model_name, router.cfg.model, str(router.model_dir)}
+    chat_template = ChatTemplate.load(router.model_dir, router.cfg.chat_template)
+    names = router.model_names
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

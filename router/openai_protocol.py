@@ -154,7 +154,7 @@ class CompletionRequest(_Common):
 
     def generate_requests(self, request_id: str) -> list[generate_pb2.GenerateRequest]:
         self.check_supported()
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
+        max_tokens = self.max_tokens  # unset: the generation config's max_new_tokens, else OpenAI's 16
         if max_tokens == 0 and self.echo:  # the prompt only (lm-eval's loglikelihood): one token is made
             max_tokens = 1  # and left out of the answer (ResponseShape.drop_output)
         sampling = self.sampling(max_tokens)

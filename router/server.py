@@ -42,6 +42,7 @@ from kvferry.engine.request import (
 )
 from kvferry.flags import add_config_args, config_from
 from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
+from kvferry.model.config import generation_defaults
 from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
@@ -91,8 +92,33 @@ class RouterConfig:
     http_port: int | None = field(
         default=8000, metadata=_help("the OpenAI-compatible API and /metrics (0: any free port)")
     )
-    served_model_name: str | None = field(
-        default=None, metadata=_help("the model name of the APIs (default: the model's name)")
+    served_model_name: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "a model name of the APIs (repeatable: every one is accepted, the first is the one shown; "
+            "default: the model's name)"
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "the chat API's template: a Jinja file, or the template itself (default: the model's)"
+        ),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "sampling defaults for the fields a request leaves unset (temperature, top_p, top_k, min_p, "
+            "repetition_penalty, max_new_tokens): auto = the model's generation_config.json, vllm = none, "
+            "or a directory holding a generation_config.json"
+        ),
+    )
+    uvicorn_log_level: str = field(
+        default="warning",
+        metadata=_help(
+            "the HTTP server's log level",
+            choices=("critical", "error", "warning", "info", "debug", "trace"),
+        ),
     )
     api_keys: tuple[str, ...] = field(
         default=(),
@@ -157,7 +183,10 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.served_model_name = public_model_name(cfg.served_model_name or cfg.model)
+        names = cfg.served_model_name or (cfg.model,)
+        self.served_model_name = public_model_name(names[0])
+        self.model_names = {*names, self.served_model_name, cfg.model, str(self.model_dir)}
+        self.sampling_defaults = generation_defaults(self.model_dir, cfg.generation_config)
         self.credentials = Credentials(cluster_secret(), cfg.api_keys)
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)

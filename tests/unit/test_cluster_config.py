@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 import pytest
@@ -261,3 +262,45 @@ def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(ti
     assert argv[argv.index("--disk-dir") + 1] == "/d/pool-0"
     assert float(argv[argv.index("--disk-max-gib") + 1]) == 2
     assert "--disk-dir" not in pool_argv(ClusterConfig(), layout, "pool-0", "127.0.0.1")
+
+
+def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path):
+    from kvferry.deploy.local import router_argv
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3}')
+    cfg = ClusterConfig().with_overrides(
+        served_model_name=["first", "second"],
+        chat_template="{{ messages[0]['content'] }}",
+        generation_config=str(tmp_path),
+        uvicorn_log_level="info",
+        max_num_seqs=7,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
+    cfg.validate()
+    for role in ("prefill", "decode"):
+        engine = cfg.engine_config(role, 0)
+        assert (engine.max_num_seqs, engine.max_model_len, engine.enable_prefix_caching) == (7, 512, False)
+    argv = router_argv(cfg, "tiny", "127.0.0.1", 1, 2)
+    assert argv[argv.index("--served-model-name") + 1] == "first" and argv.count("--served-model-name") == 2
+    assert argv[argv.index("--generation-config") + 1] == str(tmp_path)
+    assert argv[argv.index("--uvicorn-log-level") + 1] == "info"
+    assert argv[argv.index("--chat-template") + 1] == "{{ messages[0]['content'] }}"
+    with pytest.raises(ClusterConfigError, match="generation_config"):
+        ClusterConfig().with_overrides(generation_config=str(tmp_path / "none")).validate()
+
+
+def test_generation_config_defaults_fill_only_unset_fields(tmp_path):
+    from kvferry.convert import sampling_from_proto
+    from kvferry.model.config import generation_defaults
+    from kvferry.v1 import generate_pb2
+
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 30, "eos_token_id": 2}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 30}
+    assert generation_defaults(tmp_path, "vllm") == {}
+    filled = sampling_from_proto(generate_pb2.SamplingParams(), defaults)
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.max_tokens) == (0.6, 0.95, 20, 30)
+    given = sampling_from_proto(generate_pb2.SamplingParams(temperature=0.0, top_k=5, max_tokens=3), defaults)
+    assert (given.temperature, given.top_k, given.max_tokens) == (0.0, 5, 3)
