@@ -24,6 +24,15 @@ def model_fingerprint(checkpoint_id: str, numerics: str, layout_version: int = K
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
+def salt_key(cache_salt: str | bytes | None) -> bytes | None:
+    """The parent of a salted request's first block key (vLLM's per-request `cache_salt`): requests with
+    different salts share no block key, so one tenant cannot find another's cached prefix. None: unsalted."""
+    if not cache_salt:
+        return None
+    data = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+    return hashlib.blake2b(b"kvferry-cache-salt|" + data, digest_size=KEY_BYTES).digest()
+
+
 def chain_key(parent: bytes | None, block_tokens: Sequence[int], fingerprint: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=KEY_BYTES, key=fingerprint)
     h.update(parent or b"\x00" * KEY_BYTES)

@@ -46,7 +46,7 @@ class BlockManager:
         """Extend req.block_keys to cover every full block of its tokens."""
         have = len(req.block_keys)
         if req.num_tokens // self.block_size > have:
-            parent = req.block_keys[-1] if have else None
+            parent = req.block_keys[-1] if have else req.salt_key
             req.block_keys += block_keys(req.all_token_ids, self.block_size, self.fingerprint, parent, have)
 
     def cached_prefix(self, req: Request) -> list[int]:

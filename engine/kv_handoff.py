@@ -66,7 +66,7 @@ class KVHandoff:
         n, bs = len(keys), self.block_size
         if req.block_keys or not keys or n > req.num_tokens // bs:
             return False
-        parent = keys[-2] if n > 1 else None
+        parent = keys[-2] if n > 1 else req.salt_key
         if chain_key(parent, req.token_ids((n - 1) * bs, bs), self._blocks.fingerprint) != keys[-1]:
             return False
         req.block_keys = list(keys)

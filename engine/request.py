@@ -191,6 +191,7 @@ class Request:
     banned_until_min: tuple[int, ...] = ()  # EOS and stop ids, banned while outputs < min_tokens
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token (when asked)
+    salt_key: bytes | None = None  # the parent of its first block key (engine.block_hash.salt_key)
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:

@@ -34,6 +34,7 @@ class Inflight:
     decode: Member | None = None
     calls: list = field(default_factory=list)
     release_pool: bool = False  # the pool may still hold the request's private tail block
+    cache_salt: str = ""  # mixed into its block keys (engine.block_hash.salt_key)
 
     def remaining(self) -> float:
         """Seconds left until the deadline (for worker calls)."""
@@ -142,6 +143,7 @@ class Admission:
             if isinstance(err, (InvalidRequestError, RequestRejected)):
                 self.metrics.rejected(api, error_code(err).name)
             raise
+        handle.cache_salt = request.cache_salt
         handle.track = self.metrics.track(api, t0)
         return handle
 

@@ -15,6 +15,9 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16  # as vLLM's OpenAI server documents for `stop`
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128
+MAX_CACHE_SALT_CHARS = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents for `logit_bias`
+MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary kvferry serves
 # A token's text is far shorter than this in every tokenizer kvferry serves (byte-level BPE tokens are
 # rarely over 16 characters), so a text longer than max_model_len * this can never fit the model.
 PROMPT_CHARS_PER_TOKEN = 64
@@ -41,7 +44,20 @@ def check_limits(request: generate_pb2.GenerateRequest, max_model_len: int) -> N
             f"prompt.token_ids: at most {max_model_len - 1} tokens (max_model_len is {max_model_len}, "
             f"leaving room to generate), got {len(request.token_ids.ids)}"
         )
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(request.cache_salt)}"
+        )
     sampling = request.sampling
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(sampling.logit_bias)}"
+        )
+    if len(sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"sampling.allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+            f"got {len(sampling.allowed_token_ids)}"
+        )
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(
             f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(sampling.stop)}"

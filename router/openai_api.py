@@ -328,7 +328,9 @@ def build_app(router: Router) -> FastAPI:
             raise ApiError(400, str(err), "messages") from None
         # the router tokenizes the rendered text (off the loop, after admission); an unset max_tokens
         # means as many as fit
-        req = generate_pb2.GenerateRequest(request_id=f"{rid}-0", text=text, sampling=sampling)
+        req = generate_pb2.GenerateRequest(
+            request_id=f"{rid}-0", text=text, sampling=sampling, cache_salt=body.cache_salt or ""
+        )
         shape = ResponseShape(
             True,
             f"chatcmpl-{rid}",

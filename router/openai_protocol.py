@@ -68,6 +68,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[INT32] | None = None  # vLLM extension
     include_stop_str_in_output: bool = False  # vLLM extension
     prompt_logprobs: INT32 | None = None  # vLLM extension
+    cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached prefixes
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -162,7 +163,9 @@ class CompletionRequest(_Common):
             sampling.prompt_logprobs = self.logprobs
         out = []
         for i, prompt in enumerate(self.prompts()):
-            req = generate_pb2.GenerateRequest(request_id=f"{request_id}-{i}", sampling=sampling)
+            req = generate_pb2.GenerateRequest(
+                request_id=f"{request_id}-{i}", sampling=sampling, cache_salt=self.cache_salt or ""
+            )
             if isinstance(prompt, str):
                 req.text = prompt
             else:

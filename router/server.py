@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvferry.auth import Credentials, cluster_secret, server_interceptors
 from kvferry.convert import logprob_from_proto, sampling_to_proto
-from kvferry.engine.block_hash import block_keys
+from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import (
     InvalidRequestError,
@@ -265,8 +265,9 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
         req = Request(rid, ids, params)
         state = OutputState(req, self.tokenizer, tuple(model.eos_token_ids), model.max_model_len)
         fingerprint = bytes.fromhex(model.fingerprint)
-        keys = block_keys(ids, model.block_size, fingerprint)  # the request's one hash of its blocks
-        prompt_keys = worker_pb2.PromptKeys(fingerprint=fingerprint, block_keys=keys)
+        salt = salt_key(handle.cache_salt)
+        keys = block_keys(ids, model.block_size, fingerprint, salt)  # the request's one hash of its blocks
+        prompt_keys = worker_pb2.PromptKeys(fingerprint=fingerprint, block_keys=keys, salt_key=salt or b"")
         pooled = await asyncio.to_thread(self.meta.lookup_prefix, keys)  # and its one lookup
         self.metrics.pool_lookup()
         cached = len(pooled) * model.block_size

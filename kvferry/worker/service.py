@@ -99,6 +99,7 @@ class EngineWorker:
         if self.holds(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already {what}")
         req = self.engine.make_request(None, params, list(request.prompt_token_ids), rid)
+        req.salt_key = request.keys.salt_key or None  # a salted request's keys are its own
         if request.keys.fingerprint == self.engine.fingerprint:  # hashed by the router: not again here
             self.engine.kv.adopt_keys(req, request.keys.block_keys)
         return req

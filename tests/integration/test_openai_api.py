@@ -587,3 +587,23 @@ def test_tokenize_detokenize_and_bad_template_kwargs(cluster, tiny_model_dir):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}
     code, bad = post(cluster.http_url + "/v1/chat/completions", body)
     assert code == 400 and bad["error"]["param"] == "chat_template_kwargs", bad
+
+
+def test_cache_salt_separates_tenants_cached_prefixes(cluster):
+    """vLLM's cache_salt: the same prompt under one salt hits its own cached blocks; under another salt,
+    or none, it finds nothing (its block keys differ)."""
+    ids = prompt_ids(63, 70)
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+
+    def cached(**extra) -> int:
+        code, reply = post(cluster.http_url + "/v1/completions", {**body, **extra})
+        assert code == 200, reply
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 64  # its 4 full blocks
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() == 64
+    code, reply = post(cluster.http_url + "/v1/completions", {**body, "cache_salt": "x" * 300})
+    assert code == 400 and reply["error"]["param"] == "cache_salt"

@@ -92,3 +92,19 @@ def test_known_answer():
     keys = block_keys(list(range(10)), BS, FP)
     assert [k.hex() for k in keys] == ["027e1fbaccf61b652e7fa043052d2660", "aa03e75814dc98a7b487b00715f57a4e"]
     assert chain_key(None, [1, 2, 3, 4], FP).hex() == "7c23ba5065426fce1467a0ed9b782985"
+
+
+def test_a_cache_salt_changes_every_key_and_the_engine_hashes_it_as_the_router_does():
+    from kvferry.engine.block_hash import salt_key
+    from kvferry.engine.block_manager import BlockManager
+    from kvferry.engine.request import Request, SamplingParams
+
+    fp = model_fingerprint("ckpt", "torch.float32")
+    ids = list(range(40))
+    plain = block_keys(ids, 16, fp)
+    salted = block_keys(ids, 16, fp, salt_key("tenant-a"))
+    assert salt_key("") is None and salt_key("a") == salt_key(b"a") != salt_key("b")
+    assert not set(plain) & set(salted) and salted != block_keys(ids, 16, fp, salt_key("tenant-b"))
+    req = Request("r", ids, SamplingParams(), salt_key=salt_key("tenant-a"))
+    BlockManager(8, 16, fp, True).update_keys(req)
+    assert req.block_keys == salted
