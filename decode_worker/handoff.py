@@ -67,6 +67,7 @@ class Stream:
     report: HandoffReport | None = field(default_factory=HandoffReport)  # None once sent
     held: list[int] = field(default_factory=list)  # tokens not sent yet (EngineConfig.stream_interval)
     held_logprobs: list = field(default_factory=list)  # their logprobs, when the request asks
+    matcher: object | None = None  # its structured output's matcher (compiled in the gRPC handler)
 
 
 @dataclass

@@ -100,6 +100,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         async with self.stream_slot(context):
             stream = Stream(request, LoopQueue())
+            stream.matcher = await self.compile_structured(request, context)
             self.loop.submit(lambda: self._admit(stream))
             finished = False
             try:
@@ -138,7 +139,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return
         try:
-            stream.req = self.new_request(r, params, "decoding here")
+            stream.req = self.new_request(r, params, "decoding here", stream.matcher)
         except InvalidRequestError as err:
             stream.out.put(err)
             return

@@ -30,6 +30,7 @@ from kvferry.engine.request import (
     validate_request,
 )
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.engine.structured import Grammars
 from kvferry.kernels.select import KERNEL_CHOICES, KernelsUnavailable, choose
 from kvferry.model.config import (
     ModelConfig,
@@ -167,12 +168,21 @@ class LLMEngine:
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.block_manager
         )
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.runner.eos_ids = self.eos_ids
+        self._grammars: Grammars | None = None
         self.detokenize = detokenize
         self.states: dict[str, OutputState] = {}
         self._ids = itertools.count()
         self._ended: list[OutputState] = []  # finished outside a step (aborted, done on arrival)
         self.num_steps = 0
         self.kv = KVHandoff(self)  # what the workers do with KV computed or used elsewhere
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler of this engine's tokenizer (made on first use; thread-safe)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.to_json(), self.model.cfg.vocab_size, self.eos_ids)
+        return self._grammars
 
     def add_request(
         self,
@@ -206,8 +216,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        matcher=None,
     ) -> Request:
-        """Validate and tokenize a request without scheduling it (raises InvalidRequestError)."""
+        """Validate and tokenize a request without scheduling it (raises InvalidRequestError).
+        `matcher`: its structured output's matcher, compiled by the caller (`grammars`)."""
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if not prompt:
@@ -217,7 +229,10 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.states:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        return Request(request_id, ids, params)
+        req = Request(request_id, ids, params)
+        if params.structured is not None:  # (a worker passes one it compiled off the engine thread)
+            req.matcher = matcher if matcher is not None else self.grammars.matcher(*params.structured)
+        return req
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its stream ends with finish_reason 'abort'. False if it is unknown."""

@@ -9,6 +9,7 @@ import torch
 
 from kvferry.engine.request import Request
 from kvferry.engine.scheduler import ScheduledBatch
+from kvferry.engine.structured import fill_mask, masks
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import Sampled, SampleRow, sample, token_logprobs
@@ -55,6 +56,7 @@ class ModelRunner:
         # [L, 2 (K/V), Hkv, num_blocks + 1 (the sink), block_size, D]: head-major for batched attention reads
         shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.eos_ids: tuple[int, ...] = ()  # what a grammar in its error state allows (ends the request)
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
 
@@ -99,6 +101,13 @@ class ModelRunner:
         if scored:
             self._score_prompts(logits, num_sampled, scored)
         rows = [self._sample_row(r) for r in sampled_reqs]
+        constrained = [i for i, r in enumerate(sampled_reqs) if r.matcher is not None]
+        if constrained:  # structured outputs: the tokens each grammar allows next
+            vocab = logits.shape[-1]
+            bitmask = fill_mask([sampled_reqs[i].matcher for i in constrained], vocab)
+            allowed = masks(bitmask, vocab, self.eos_ids).to(logits.device)
+            for row, i in enumerate(constrained):
+                rows[i].mask = allowed[row]
         return dict(zip(sampled_reqs, sample(logits[:num_sampled], rows), strict=True))
 
     @staticmethod

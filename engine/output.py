@@ -81,6 +81,9 @@ class OutputState:
         if logprob is not None and req.params.logprobs is not None:
             self.pending_logprobs.append(logprob)
             req.output_logprobs.append(logprob)
+        matcher = req.matcher
+        if matcher is not None:
+            matcher.consume_token(token)
         # before min_tokens, no stop rule applies (the sampler never picks a stop id then)
         stops = len(req.output_token_ids) >= req.params.min_tokens
         if stops and token in self.stop_ids:
@@ -90,6 +93,8 @@ class OutputState:
             if delta and stops and req.params.stop and self._cut_at_stop(delta):
                 return RequestStatus.FINISHED_STOPPED
             self.text += delta
+        if matcher is not None and matcher.is_stopped():  # the structured output is complete
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -13,6 +13,7 @@ import torch
 
 from kvferry.model.sampler import SamplingSpec
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # engine.structured
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default --max-logprobs is 20)
 
 
@@ -67,6 +68,7 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: None none, 0 the sampled token's, k and the top k
     prompt_logprobs: int | None = None  # per prompt token (the first has none), as `logprobs`
     include_stop_str_in_output: bool = False
+    structured: tuple[str, str] | None = None  # (kind, value): the output follows it (engine.structured)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -101,6 +103,12 @@ class SamplingParams:
                 )
         if any(type(t) is not int for t in self.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids must be integers")
+        if self.structured is not None:
+            kind, value = self.structured
+            if kind not in STRUCTURED_KINDS or not isinstance(value, str):
+                raise InvalidRequestError(
+                    f"structured must be one of {', '.join(STRUCTURED_KINDS)} with a text, got {kind!r}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -192,6 +200,7 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token (when asked)
     salt_key: bytes | None = None  # the parent of its first block key (engine.block_hash.salt_key)
+    matcher: object | None = None  # its structured output's llguidance matcher (engine.structured)
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:

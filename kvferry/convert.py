@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from kvferry.engine.request import SamplingParams
@@ -37,7 +38,28 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, defaults: dict | None = 
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
+
+
+def structured_from_proto(p: generate_pb2.StructuredOutput) -> tuple[str, str] | None:
+    """(kind, value) of engine.structured; None when no kind is set."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return (kind, "") if p.json_object else None
+    if kind == "choice":
+        return kind, json.dumps(list(p.choice.choices))
+    return kind, getattr(p, kind)
+
+
+def structured_to_proto(kind: str, value: str) -> generate_pb2.StructuredOutput:
+    if kind == "json_object":
+        return generate_pb2.StructuredOutput(json_object=True)
+    if kind == "choice":
+        return generate_pb2.StructuredOutput(choice=generate_pb2.Choices(choices=json.loads(value)))
+    return generate_pb2.StructuredOutput(**{kind: value})
 
 
 def sampling_to_proto(s: SamplingParams) -> generate_pb2.SamplingParams:
@@ -64,6 +86,8 @@ def sampling_to_proto(s: SamplingParams) -> generate_pb2.SamplingParams:
         out.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         out.prompt_logprobs = s.prompt_logprobs
+    if s.structured is not None:
+        out.structured.CopyFrom(structured_to_proto(*s.structured))
     return out
 
 

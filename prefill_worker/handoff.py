@@ -47,6 +47,7 @@ class PrefillJob:
     started: float = 0.0
     pool_hit_blocks: int = 0
     pooled: list[Location] = field(default_factory=list)  # the lookup: the pool's leading blocks
+    matcher: object | None = None  # its structured output's matcher (compiled in the gRPC handler)
 
 
 @dataclass

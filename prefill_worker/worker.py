@@ -92,6 +92,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         async with self.stream_slot(context):
             job = PrefillJob(request, time.perf_counter())
             rid = request.request_id
+            job.matcher = await self.compile_structured(request, context)
             self.loop.submit(lambda: self._admit(job))
             try:
                 # shielded: a cancelled call cancels its job on the engine thread (_cancel), not here
@@ -122,7 +123,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         asked = sampling_from_proto(request.sampling)
         params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1), stop=())
         try:
-            req = self.new_request(request, params, "in prefill")
+            req = self.new_request(request, params, "in prefill", job.matcher)
         except InvalidRequestError as err:
             job.future.set_exception(err)
             return

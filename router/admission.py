@@ -16,6 +16,7 @@ import grpc
 
 from kvferry.convert import sampling_from_proto
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
+from kvferry.engine.structured import Grammars, StructuredOutputError
 from kvferry.router.directory import Member
 from kvferry.router.limits import check_limits
 from kvferry.router.metrics import RequestTrack
@@ -113,7 +114,20 @@ class Admission:
             sampling_field="sampling.",
             max_tokens_fit=True,
         )
+        if params.structured is not None:  # compiled here (cached) to refuse a bad one before any work
+            kind, value = params.structured
+            try:
+                await asyncio.to_thread(self.grammars().check, kind, value)
+            except StructuredOutputError as err:
+                raise InvalidRequestError(f"sampling.structured.{kind}: {err}") from None
         return ids, params
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler of the served model's tokenizer (made on first use)."""
+        model = self.directory.model
+        if self._grammars is None or self._grammars.vocab_size != model.vocab_size:
+            self._grammars = Grammars(self.tokenizer.to_json(), model.vocab_size, model.eos_token_ids)
+        return self._grammars
 
     async def admit(
         self,

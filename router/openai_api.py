@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.engine.request import InvalidRequestError
+from kvferry.engine.structured import StructuredOutputError
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
 from kvferry.router.limits import max_prompt_chars
 from kvferry.router.metrics import CONTENT_TYPE
@@ -220,6 +221,18 @@ def build_app(router: Router) -> FastAPI:
     async def metrics() -> Response:
         return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def check_structured(body) -> None:
+        """Compile the request's structured output (cached; off the loop): a constraint the library
+        refuses is a 400 naming the field it came in."""
+        spec = body.structured()
+        if spec is None or router.directory.model is None:  # (not ready: admission answers 503)
+            return
+        field, kind, value = spec
+        try:
+            await asyncio.to_thread(router.grammars().check, kind, value)
+        except StructuredOutputError as err:
+            raise ApiError(400, f"{field}: {err}", field) from None
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
             raise ApiError(
@@ -289,6 +302,7 @@ def build_app(router: Router) -> FastAPI:
             reqs = body.generate_requests(rid)
         except InvalidRequestError as err:
             raise ApiError.of(err) from None
+        await check_structured(body)
         shape = ResponseShape(
             False,
             f"cmpl-{rid}",
@@ -318,10 +332,13 @@ def build_app(router: Router) -> FastAPI:
             sampling = body.sampling(body.max_new_tokens)
         except InvalidRequestError as err:
             raise ApiError.of(err) from None
+        await check_structured(body)
         try:
             kwargs = body.template_kwargs()
         except InvalidRequestError as err:
             raise ApiError(400, str(err), "chat_template_kwargs") from None
+        if body.tools:  # templates that know tools render them (Qwen's do)
+            kwargs.setdefault("tools", body.tools)
         try:
             text = chat_template.render(body.template_messages(), body.add_generation_prompt, **kwargs)
         except (InvalidRequestError, ChatTemplateError) as err:
@@ -339,6 +356,7 @@ def build_app(router: Router) -> FastAPI:
             router.tokenizer,
             logprobs=body.output_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
+            tools=body.tool_mode(),
         )
         return await respond(request, body, [req], shape, "messages", fill_max_tokens=True)
 

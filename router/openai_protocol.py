@@ -9,12 +9,15 @@ OpenAI field too.
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvferry.convert import structured_to_proto
 from kvferry.engine.request import InvalidRequestError
 from kvferry.v1 import generate_pb2
 
@@ -27,19 +30,49 @@ NEUTRAL = {
     "echo": (None, False),  # (a completions field: the chat API has none)
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
+    "tools": (None, []),  # (a chat field: completions have none)
+    "tool_choice": (None, "none"),
+    "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),  # kvferry's is llguidance
     "bad_words": (None, []),
     "prompt_embeds": (None,),
     "truncate_prompt_tokens": (None,),
 }
+# vLLM's structured-output fields (the older `guided_*` spellings and the `structured_outputs` object's
+# keys) -> engine.structured's kinds
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+
+
+def _structured_value(field: str, kind: str, value) -> str:
+    """The engine's text of a constraint given as JSON (a schema object or text, a list of choices)."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (dict, bool)):
+            return json.dumps(value)
+        raise InvalidRequestError(f"{field} must be a JSON schema (an object, or its JSON text)")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"{field} must be a non-empty list of strings")
+        return json.dumps(value)
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError(f"{field} must be true")
+        return ""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{field} must be a non-empty string")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -73,6 +106,63 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: each choice carries its token ids
+
+    def structured(self) -> tuple[str, str, str] | None:
+        """The one structured-output constraint the request asks for, as (field, kind, value), from
+        `response_format`, vLLM's `structured_outputs` or its `guided_*` fields (the chat API adds
+        `tool_choice`); None for free text. Two constraints are a 400."""
+        found = []
+        extra = self.model_extra or {}
+        rf = extra.get("response_format")
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                found.append(("response_format", "json_object", ""))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise InvalidRequestError(
+                        "response_format.json_schema.schema must be a JSON schema object"
+                    )
+                found.append(("response_format.json_schema.schema", "json_schema", json.dumps(schema)))
+            elif kind != "text":
+                raise InvalidRequestError(
+                    f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+                )
+        so = extra.get("structured_outputs")
+        if so is not None:
+            if not isinstance(so, dict):
+                raise InvalidRequestError("structured_outputs must be an object")
+            for key, value in so.items():
+                if value is None or value is False:
+                    continue
+                if key not in STRUCTURED_KEYS:
+                    raise InvalidRequestError(
+                        f"structured_outputs.{key} is not supported; one of {', '.join(STRUCTURED_KEYS)}"
+                    )
+                kind = STRUCTURED_KEYS[key]
+                found.append(
+                    (
+                        f"structured_outputs.{key}",
+                        kind,
+                        _structured_value(f"structured_outputs.{key}", kind, value),
+                    )
+                )
+        for name, kind in GUIDED.items():
+            value = extra.get(name)
+            if value is not None:
+                found.append((name, kind, _structured_value(name, kind, value)))
+        if extra.get("guided_json_object"):
+            found.append(("guided_json_object", "json_object", ""))
+        found += self._tool_constraint()
+        if len(found) > 1:
+            raise InvalidRequestError(
+                f"{found[1][0]}: one structured output per request, and {found[0][0]} is given too"
+            )
+        return found[0] if found else None
+
+    def _tool_constraint(self) -> list[tuple[str, str, str]]:
+        return []
 
     def check_supported(self) -> None:
         given = self.model_extra or {}  # NEUTRAL's fields are not declared: they arrive as extras
@@ -121,6 +211,9 @@ class _Common(BaseModel):
             p.logprobs = self.output_logprobs
         if self.prompt_logprobs is not None:
             p.prompt_logprobs = self.prompt_logprobs
+        spec = self.structured()
+        if spec is not None:
+            p.structured.CopyFrom(structured_to_proto(spec[1], spec[2]))
         return p
 
     @property
@@ -201,6 +294,68 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict | None = None
     logprobs: bool = False
     top_logprobs: INT32 | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    def tool_mode(self) -> tuple[str, str | None] | None:
+        """("named", the function) or ("required", None) when the output must be tool calls, else None.
+        The model's free choice (`auto`, the default with tools) needs a tool-call parser: a 400."""
+        choice = self.tool_choice
+        if choice == "none" or (choice is None and not self.tools):
+            return None
+        if not self.tools:
+            raise InvalidRequestError("tool_choice needs tools")
+        names = self.tool_schemas()
+        if choice is None or choice == "auto":
+            raise InvalidRequestError(
+                "tool_choice=auto (the default with tools) is not supported by kvferry: it has no tool-call "
+                'parser; name a function ({"type": "function", "function": {"name": ...}}) or use required'
+            )
+        if choice == "required":
+            return "required", None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequestError(
+                'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}'
+            )
+        if name not in names:
+            raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools")
+        return "named", name
+
+    def tool_schemas(self) -> dict[str, dict]:
+        """Each tool's name -> its parameters' JSON schema."""
+        out = {}
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+                raise InvalidRequestError(
+                    f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}'
+                )
+            params = function.get("parameters") or {"type": "object"}
+            if not isinstance(params, dict):
+                raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+            out[function["name"]] = params
+        return out
+
+    def _tool_constraint(self) -> list[tuple[str, str, str]]:
+        mode = self.tool_mode()
+        if mode is None:
+            return []
+        schemas = self.tool_schemas()
+        if mode[0] == "named":
+            return [("tool_choice", "json_schema", json.dumps(schemas[mode[1]]))]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, params in schemas.items()
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return [("tool_choice", "json_schema", json.dumps(schema))]
 
     @property
     def output_logprobs(self) -> int | None:
@@ -349,6 +504,7 @@ class ChoiceState:
     finished: generate_pb2.Finished | None = None
     started: bool = False
     offset: int = 0  # text_offset of the next token (completions logprobs)
+    tool_call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
 
 
 class ResponseShape:
@@ -372,8 +528,10 @@ class ResponseShape:
         echo: bool = False,
         drop_output: bool = False,
         prompt_logprobs: bool = False,
+        tools: tuple[str, str | None] | None = None,
     ):
         self.chat = chat
+        self.tools = tools  # ChatCompletionRequest.tool_mode(): the output is tool calls
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -421,7 +579,11 @@ class ResponseShape:
         finished = msg.finished if msg.HasField("finished") else None
         text, token_ids, logprobs = self._piece(index, state, msg)
         choice: dict = {"index": index}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            state.text += text
+            choice["delta"] = self._tool_delta(state, text, first, finished is not None)
+            choice["logprobs"] = None if logprobs is None else {"content": logprobs}
+        elif self.chat:
             delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
             choice["delta"] = delta
             choice["logprobs"] = None if logprobs is None else {"content": logprobs}
@@ -439,6 +601,50 @@ class ResponseShape:
             state.finished = finished
             out["timings"] = timings(finished)
         return out
+
+    def _tool_delta(self, state: ChoiceState, text: str, first: bool, last: bool) -> dict:
+        """A chunk's delta when the output is tool calls: a named function's arguments stream as they
+        come; `required`'s list of calls is parsed whole, at the end."""
+        delta: dict = {"role": "assistant"} if first else {}
+        mode, name = self.tools
+        if mode == "named":
+            call: dict = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call.update(id=state.tool_call_id, type="function")
+                call["function"]["name"] = name
+            delta["tool_calls"] = [call]
+        elif last:
+            calls = self.tool_calls(state)
+            if calls is None:
+                delta["content"] = state.text
+            else:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return delta
+
+    def tool_calls(self, state: ChoiceState) -> list[dict] | None:
+        """The tool calls of a choice's output (None: the output is not complete calls)."""
+        mode, name = self.tools
+        if mode == "named":
+            return [
+                {
+                    "id": state.tool_call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": state.text},
+                }
+            ]
+        try:
+            parsed = json.loads(state.text)
+            calls = [(c["name"], c["parameters"]) for c in parsed]
+        except (ValueError, TypeError, KeyError):
+            return None  # cut short (max_tokens): the text is the answer
+        return [
+            {
+                "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                "type": "function",
+                "function": {"name": n, "arguments": json.dumps(p, ensure_ascii=False)},
+            }
+            for n, p in calls
+        ]
 
     def echo_ids(self, index: int) -> list[int]:
         return self.prompts[index].token_ids if self.prompts is not None else []
@@ -477,13 +683,18 @@ class ResponseShape:
         for i, state in enumerate(states):
             f = state.finished
             choice: dict = {"index": i}
+            calls = self.tool_calls(state) if self.tools is not None else None
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": state.text}
+                if calls is not None:
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["logprobs"] = None if self.logprobs is None else {"content": state.logprobs}
             else:
                 choice["text"] = state.text
                 choice["logprobs"] = state.logprobs if self.logprobs is not None else None
             choice["finish_reason"] = "length" if self.drop_output else f.finish_reason
+            if calls is not None and self.tools[0] == "required" and f.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
             if self.return_token_ids:
                 choice["token_ids"] = state.token_ids
             if self.prompt_logprobs and self.lp is not None:

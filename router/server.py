@@ -187,6 +187,7 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
         self.served_model_name = public_model_name(names[0])
         self.model_names = {*names, self.served_model_name, cfg.model, str(self.model_dir)}
         self.sampling_defaults = generation_defaults(self.model_dir, cfg.generation_config)
+        self._grammars = None  # structured outputs' compiler (Admission.grammars)
         self.credentials = Credentials(cluster_secret(), cfg.api_keys)
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)

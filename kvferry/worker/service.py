@@ -21,9 +21,11 @@ from collections.abc import Callable
 
 import grpc
 
+from kvferry.convert import structured_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop, EngineStopped
 from kvferry.engine.request import InvalidRequestError, Request
+from kvferry.engine.structured import replay
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
@@ -60,6 +62,28 @@ class EngineWorker:
         self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT, or by a draining group mate
         self.max_streams = default_max_streams(engine.cfg.max_num_seqs)  # open Decode/Prefill calls
         self.open_streams = 0  # (event-loop thread only)
+        self.grammars = engine.grammars  # structured outputs compile in the gRPC handlers, off the engine
+
+    async def compile_structured(self, request, context):
+        """The structured output's matcher of a call (None without one), compiled off the engine thread
+        and brought to where the output stands (`request.output_offset` tokens made elsewhere). A
+        constraint the library refuses ends the call with INVALID_ARGUMENT."""
+        spec = structured_from_proto(request.sampling.structured)
+        if spec is None:
+            return None
+        offset = getattr(request, "output_offset", 0)  # (a PrefillRequest has none)
+        ids = request.prompt_token_ids
+        made = list(ids[len(ids) - offset :]) if offset else []
+
+        def build():
+            matcher = self.grammars.matcher(*spec)
+            replay(matcher, made)
+            return matcher
+
+        try:
+            return await asyncio.to_thread(build)
+        except InvalidRequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.structured: {err}")
 
     def start(self) -> None:
         self.loop.start()
@@ -91,14 +115,14 @@ class EngineWorker:
             "total_blocks": kv["total_blocks"],
         }
 
-    def new_request(self, request, params, what: str) -> Request:
+    def new_request(self, request, params, what: str, matcher=None) -> Request:
         """The engine request of a call (`request`: its PrefillRequest / DecodeRequest), with the block
         keys the router hashed when they were hashed for this model. Raises InvalidRequestError (an id
         already served here: `what` says where; or the engine's validation)."""
         rid = request.request_id
         if self.holds(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already {what}")
-        req = self.engine.make_request(None, params, list(request.prompt_token_ids), rid)
+        req = self.engine.make_request(None, params, list(request.prompt_token_ids), rid, matcher)
         req.salt_key = request.keys.salt_key or None  # a salted request's keys are its own
         if request.keys.fingerprint == self.engine.fingerprint:  # hashed by the router: not again here
             self.engine.kv.adopt_keys(req, request.keys.block_keys)

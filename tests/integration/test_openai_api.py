@@ -172,12 +172,7 @@ def post(url: str, body: dict | bytes) -> tuple[int, dict]:
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_model_len is 1024"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
         ({"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
-        (
-            {"prompt": "x", "response_format": {"type": "json_object"}},
-            400,
-            "response_format",
-            "not supported",
-        ),
+        ({"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format.type", "json_schema"),
         ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "[0, 8192)"),
         ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens", "max_tokens=2"),
         ({"prompt": "x", "n": 2}, 400, "n", "must be 1"),

@@ -4,6 +4,7 @@ resumes on the other decode worker with no token lost or repeated, equal to an u
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,15 +83,37 @@ def kill(cluster, role: str, member_id: str) -> None:
     child.proc.wait(10)
 
 
+def controlled(prompt, request_id: str = ""):
+    """Greedy under every control that carries state across a resume: a repetition penalty (it counts
+    the tokens made before), a structured output (its matcher is rebuilt by replaying them), min_tokens
+    (EOS banned to the end), with logprobs."""
+    request = build_request(
+        prompt_token_ids=prompt,
+        max_tokens=LONG,
+        temperature=0.0,
+        min_tokens=LONG,
+        repetition_penalty=1.2,
+        logprobs=1,
+        request_id=request_id,
+    )
+    request.sampling.structured.regex = "[a-z ,.]*"
+    return request
+
+
 def test_decode_worker_killed_mid_stream_resumes_elsewhere(cluster, client):
     prompt = random_prompt(1, 37)  # 2 full blocks and a private tail: the resumed prompt reuses the pool's
-    expected = client.generate(greedy(prompt, LONG), timeout=300).token_ids
-    assert len(expected) == LONG
+    whole = list(client.stream(controlled(prompt), timeout=300))
+    expected = [t for m in whole for t in m.token_ids]
+    expected_logprobs = [lp.logprob for m in whole for lp in m.logprobs]
+    assert len(expected) == LONG == len(expected_logprobs)
+    assert re.fullmatch("[a-z ,.]*", "".join(m.text for m in whole))
 
-    stream = client.stream(greedy(prompt, LONG, request_id="resume-me"), timeout=300)
+    stream = client.stream(controlled(prompt, "resume-me"), timeout=300)
     tokens: list[int] = []
+    logprobs: list[float] = []
     for msg in stream:
         tokens += msg.token_ids
+        logprobs += [lp.logprob for lp in msg.logprobs]
         if len(tokens) >= 20:
             break
     serving = wait_for(lambda: decoding(cluster, "resume-me"), 10, "the decode worker serving the stream")
@@ -98,11 +121,13 @@ def test_decode_worker_killed_mid_stream_resumes_elsewhere(cluster, client):
     finished = None
     for msg in stream:
         tokens += msg.token_ids
+        logprobs += [lp.logprob for lp in msg.logprobs]
         if msg.HasField("finished"):
             finished = msg.finished
     assert finished is not None and finished.finish_reason == "length"
     assert finished.output_tokens == LONG
     assert tokens == expected, "the resumed stream differs from the uninterrupted one"
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
     assert failovers(cluster, "decode") >= 1  # it did fail over (the kill came mid-stream)
 
 

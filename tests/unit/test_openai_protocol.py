@@ -52,12 +52,12 @@ def test_sampling_fields_map_to_the_grpc_names_with_openai_defaults():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("best_of", 2), ("suffix", "x"), ("response_format", {"type": "json_object"}), ("guided_regex", "a+")],
+    [("best_of", 2), ("suffix", "x"), ("bad_words", ["x"]), ("guided_decoding_backend", "xgrammar")],
 )
 def test_unimplemented_fields_are_refused_by_name_unless_neutral(field, value):
     with pytest.raises(InvalidRequestError, match=f"^{field}="):
         CompletionRequest(prompt="x", **{field: value}).generate_requests("r")
-    neutral = {"best_of": 1, "suffix": None, "response_format": {"type": "text"}, "guided_regex": None}
+    neutral = {"best_of": 1, "suffix": None, "bad_words": [], "guided_decoding_backend": "auto"}
     CompletionRequest(prompt="x", **{field: neutral[field]}).generate_requests("r")  # what clients send
 
 
@@ -302,3 +302,60 @@ def test_grafana_dashboard_reads_only_exported_series():
     track.done("OK")
     exported = {line.split("{")[0] for line in metrics.exposition().decode().splitlines() if line[:1] != "#"}
     assert len(used) >= 15 and used <= exported, used - exported
+
+
+def test_structured_output_fields_map_to_one_constraint():
+    schema = {"type": "object"}
+
+    def spec(**fields):
+        return CompletionRequest(prompt="x", **fields).structured()
+
+    assert spec() is None and spec(response_format={"type": "text"}) is None
+    assert spec(response_format={"type": "json_object"}) == ("response_format", "json_object", "")
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    assert spec(response_format=rf) == (
+        "response_format.json_schema.schema",
+        "json_schema",
+        json.dumps(schema),
+    )
+    assert spec(guided_json=schema)[1:] == ("json_schema", json.dumps(schema))
+    assert spec(guided_choice=["a", "b"])[1:] == ("choice", '["a", "b"]')
+    assert spec(structured_outputs={"regex": "a+"})[1:] == ("regex", "a+")
+    assert spec(structured_outputs={"grammar": "root ::= x"})[1:] == ("grammar", "root ::= x")
+    (req,) = CompletionRequest(prompt="x", guided_choice=["a"]).generate_requests("r")
+    assert list(req.sampling.structured.choice.choices) == ["a"]
+    for bad, words in [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured output per request"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"xml": "x"}}, "structured_outputs.xml is not supported"),
+        ({"guided_choice": []}, "non-empty list"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=words):
+            CompletionRequest(prompt="x", **bad).generate_requests("r")
+
+
+def test_tool_choice_becomes_a_schema_and_auto_is_refused():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    msgs = [{"role": "user", "content": "x"}]
+    named = ChatCompletionRequest(
+        messages=msgs, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}
+    )
+    assert named.tool_mode() == ("named", "f") and named.structured()[1] == "json_schema"
+    required = ChatCompletionRequest(messages=msgs, tools=[tool], tool_choice="required")
+    schema = json.loads(required.structured()[2])
+    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "f"}
+    assert ChatCompletionRequest(messages=msgs, tools=[tool], tool_choice="none").structured() is None
+    for choice, words in [
+        ("auto", "tool_choice=auto"),
+        (None, "tool_choice=auto"),
+        ({"type": "function", "function": {"name": "g"}}, "not one of the tools"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=words):
+            ChatCompletionRequest(messages=msgs, tools=[tool], tool_choice=choice).structured()
+    shape = ResponseShape(True, "c", "m", False, tools=("required", None))
+    state = ChoiceState()
+    shape.add(0, state, message('[{"name": "f", "parameters": {"a": 1}}]', [1], finished(reason="stop")))
+    choice = shape.whole([state])["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}

@@ -1,0 +1,105 @@
+"""engine.structured: constraints -> llguidance matchers for the tiny model's tokenizer, the cache, the
+token mask the sampler applies, the replay that rebuilds a matcher elsewhere, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvferry.engine.structured import Grammars, StructuredOutputError, fill_mask, grammar_of, masks, replay
+from kvferry.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return Tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer.to_json(), tokenizer.vocab_size, (tokenizer.eos_token_id,))
+
+
+def walk(grammars, tokenizer, kind, value, seed: int, steps: int = 80) -> tuple[str, bool]:
+    """Draw tokens uniformly among the allowed ones; (text, whether the matcher stopped)."""
+    gen = torch.Generator().manual_seed(seed)
+    matcher = grammars.matcher(kind, value)
+    ids = []
+    for _ in range(steps):
+        allowed = masks(fill_mask([matcher], tokenizer.vocab_size), tokenizer.vocab_size)[0]
+        allowed[tokenizer.eos_token_id] = False
+        choices = allowed.nonzero().flatten()
+        if matcher.is_stopped() or len(choices) == 0:
+            break
+        token = int(choices[torch.randint(len(choices), (1,), generator=gen)])
+        assert matcher.consume_token(token)
+        ids.append(token)
+    return tokenizer.decode(ids), matcher.is_stopped() or matcher.is_accepting()
+
+
+def test_masks_allow_exactly_what_the_constraints_allow(grammars, tokenizer):
+    for seed in range(5):
+        text, done = walk(grammars, tokenizer, "choice", json.dumps(["red", "green", "blue"]), seed)
+        assert done and text in ("red", "green", "blue")
+        text, done = walk(grammars, tokenizer, "regex", "[0-9]{3}-[a-z]{2}", seed)
+        assert done and len(text) == 6 and text[3] == "-" and text[:3].isdigit()
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    text, done = walk(grammars, tokenizer, "json_schema", json.dumps(schema), 0, steps=400)
+    if done:
+        assert list(json.loads(text)) == ["n"]  # json.dumps's layout: '{"n": 12}'
+    assert text.startswith('{"n": ')
+
+
+def test_the_cache_compiles_each_constraint_once_and_hands_out_copies(grammars):
+    a = grammars.matcher("regex", "ab+")
+    b = grammars.matcher("regex", "ab+")
+    assert a is not b and len([k for k in grammars._cache if k == ("regex", "ab+")]) == 1
+    assert a.consume_token(a.compute_ff_tokens()[0]) if a.compute_ff_tokens() else True
+    fresh = grammars.matcher("regex", "ab+")  # unaffected by what `a` consumed
+    assert not fresh.is_accepting()
+
+
+def test_replay_rebuilds_the_state_another_worker_had(grammars, tokenizer):
+    value = json.dumps(["alpha beta", "alpha gamma"])
+    ids = tokenizer.encode("alpha gamma")
+    original = grammars.matcher("choice", value)
+    original.consume_tokens(ids[:-1])
+    rebuilt = grammars.matcher("choice", value)
+    replay(rebuilt, ids[:-1])
+    vocab = tokenizer.vocab_size
+    assert torch.equal(fill_mask([original], vocab), fill_mask([rebuilt], vocab))
+    with pytest.raises(StructuredOutputError, match="does not match"):
+        replay(grammars.matcher("choice", value), tokenizer.encode("zzz"))
+
+
+def test_an_empty_row_allows_eos_only():
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 0b100
+    out = masks(bitmask, 40, eos_ids=(0, 7))
+    assert out[0].nonzero().flatten().tolist() == [2]
+    assert out[1].nonzero().flatten().tolist() == [0, 7]
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "words"),
+    [
+        ("json_schema", '{"type": "bogus"}', "bogus"),
+        ("json_schema", "{not json", "Expecting"),
+        ("json_schema", '{"type": "object", "not": {"type": "string"}}', "not"),  # refused, never ignored
+        ("regex", "[unclosed", "unclosed"),
+        ("choice", "[]", "non-empty"),
+        ("grammar", "start: undefined_rule", "undefined_rule"),
+    ],
+)
+def test_refusals_say_why(grammars, kind, value, words):
+    with pytest.raises(StructuredOutputError, match=None) as err:
+        grammars.check(kind, value)
+    assert words.lower() in str(err.value).lower()
+    assert grammar_of("json_object", "")  # (and the good ones build)
