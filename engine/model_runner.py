@@ -108,6 +108,20 @@ class ModelRunner:
             allowed = masks(bitmask, vocab, self.eos_ids).to(logits.device)
             for row, i in enumerate(constrained):
                 rows[i].mask = allowed[row]
+        siblings = [i for i, r in enumerate(sampled_reqs) if r.params.n > 1 and not r.output_token_ids]
+        if siblings:  # n sequences: n - 1 more first tokens from the same logits rows (after the others)
+            index = list(range(num_sampled))
+            for i in siblings:
+                extra = sampled_reqs[i].params.n - 1
+                index += [i] * extra
+                rows += [rows[i]] * extra
+            drawn = sample(logits[index], rows)
+            at = num_sampled
+            for i in siblings:
+                extra = sampled_reqs[i].params.n - 1
+                sampled_reqs[i].sibling_samples = drawn[at : at + extra]
+                at += extra
+            return dict(zip(sampled_reqs, drawn[:num_sampled], strict=False))
         return dict(zip(sampled_reqs, sample(logits[:num_sampled], rows), strict=True))
 
     @staticmethod

@@ -15,6 +15,7 @@ from kvferry.model.sampler import SamplingSpec
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # engine.structured
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default --max-logprobs is 20)
+MAX_N = 64  # sequences per request (n, best_of)
 
 
 class InvalidRequestError(ValueError):
@@ -69,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token (the first has none), as `logprobs`
     include_stop_str_in_output: bool = False
     structured: tuple[str, str] | None = None  # (kind, value): the output follows it (engine.structured)
+    n: int = 1  # first tokens drawn from the prompt's logits (the rest: Request.sibling_samples)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -103,6 +105,8 @@ class SamplingParams:
                 )
         if any(type(t) is not int for t in self.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids must be integers")
+        if type(self.n) is not int or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.structured is not None:
             kind, value = self.structured
             if kind not in STRUCTURED_KINDS or not isinstance(value, str):
@@ -201,6 +205,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token (when asked)
     salt_key: bytes | None = None  # the parent of its first block key (engine.block_hash.salt_key)
     matcher: object | None = None  # its structured output's llguidance matcher (engine.structured)
+    sibling_samples: list = field(default_factory=list)  # params.n > 1: the other first tokens (Sampled)
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:

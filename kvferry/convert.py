@@ -39,6 +39,7 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, defaults: dict | None = 
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
+        n=max(p.n, 1),
     )
 
 
@@ -88,6 +89,8 @@ def sampling_to_proto(s: SamplingParams) -> generate_pb2.SamplingParams:
         out.prompt_logprobs = s.prompt_logprobs
     if s.structured is not None:
         out.structured.CopyFrom(structured_to_proto(*s.structured))
+    if s.n > 1:
+        out.n = s.n
     return out
 
 

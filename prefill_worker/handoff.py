@@ -31,7 +31,7 @@ import torch
 
 from kvferry.engine.request import Request
 from kvferry.kvpool.metadata import Location
-from kvferry.model.sampler import TokenLogprob
+from kvferry.model.sampler import Sampled, TokenLogprob
 from kvferry.v1 import worker_pb2
 
 
@@ -72,6 +72,7 @@ class KVWrite:
     first_token: int
     first_logprob: TokenLogprob | None  # when the request asks for logprobs
     prompt_logprobs: list[TokenLogprob]  # when it asks for prompt logprobs
+    siblings: list[Sampled]  # sampling.n > 1: the first tokens of the other sequences
     locations: list[Location | None]  # per prompt block: where the pool holds it (None: not yet)
     write: list[int]  # prompt blocks to send (the pool lacks them)
     keys: list[bytes]  # their keys (the private tail: a random one)

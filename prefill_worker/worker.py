@@ -283,6 +283,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job=job,
             first_token=req.output_token_ids[-1],
             first_logprob=req.output_logprobs[-1] if req.output_logprobs else None,
+            siblings=req.sibling_samples,
             prompt_logprobs=req.prompt_logprobs,
             locations=locations + [None] * tail,
             write=write,
@@ -360,6 +361,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         )
         if kv.first_logprob is not None:
             reply.first_logprob.CopyFrom(logprob_to_proto(kv.first_logprob))
+        reply.sibling_first_token_ids.extend(x.token for x in kv.siblings)
+        reply.sibling_first_logprobs.extend(logprob_to_proto(x.logprob) for x in kv.siblings if x.logprob)
         return reply
 
     # -- engine thread: failures and cancellation -------------------------------------------------------

@@ -36,6 +36,10 @@ class Inflight:
     calls: list = field(default_factory=list)
     release_pool: bool = False  # the pool may still hold the request's private tail block
     cache_salt: str = ""  # mixed into its block keys (engine.block_hash.salt_key)
+    # a request of n sequences (router.sequences): what they share, this one's index, the leader's others
+    shared: object | None = None
+    index: int = 0
+    siblings: list = field(default_factory=list)
 
     def remaining(self) -> float:
         """Seconds left until the deadline (for worker calls)."""

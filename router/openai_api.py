@@ -97,7 +97,8 @@ class Fanout:
     """Runs admitted requests as tasks and yields (choice index, message) as they arrive; a request that
     fails raises its error here. `cancel()` (the client went away) releases every request."""
 
-    def __init__(self, router: Router, handles: list[Inflight]):
+    def __init__(self, router: Router, handles: list[Inflight], per_prompt: int = 1):
+        self.per_prompt = per_prompt  # sequences per request: message i of request r is choice r * this + i
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open = len(handles)
         self.started = [False] * len(handles)
@@ -117,7 +118,7 @@ class Fanout:
         try:
             async with contextlib.aclosing(router.run(handle)) as stream:
                 async for message in stream:
-                    self.queue.put_nowait((index, message))
+                    self.queue.put_nowait((index * self.per_prompt + message.index, message))
         except (InvalidRequestError, RequestRejected) as err:
             self.queue.put_nowait((index, err))
         except Exception as err:
@@ -313,6 +314,8 @@ def build_app(router: Router) -> FastAPI:
             echo=body.echo,
             drop_output=body.echo and body.max_tokens == 0,
             prompt_logprobs=body.prompt_logprobs is not None,
+            per_prompt=body.sequences,
+            keep=body.n,
         )
         return await respond(request, body, reqs, shape, "prompt")
 
@@ -357,6 +360,8 @@ def build_app(router: Router) -> FastAPI:
             logprobs=body.output_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             tools=body.tool_mode(),
+            per_prompt=body.n,
+            keep=body.n,
         )
         return await respond(request, body, [req], shape, "messages", fill_max_tokens=True)
 
@@ -373,20 +378,22 @@ def build_app(router: Router) -> FastAPI:
             if isinstance(err, (InvalidRequestError, RequestRejected)):
                 raise ApiError.of(err, prompt_field) from None
             raise
+        k = shape.per_prompt
         if shape.echo or shape.prompt_logprobs:
             shape.prompts = [
                 Echo(r.text if r.HasField("text") else router.tokenizer.decode(h.ids), h.ids)
                 for r, h in zip(reqs, handles, strict=True)
+                for _ in range(k)
             ]
-        fanout = Fanout(router, handles)
+        fanout = Fanout(router, handles, k)
         if body.stream:
-            events = sse(fanout, shape, len(reqs), body.include_usage, prompt_field)
+            events = sse(fanout, shape, len(reqs) * k, body.include_usage, prompt_field)
             # the background task runs however the response ends: a stream that never started
             # (the client left at once) still cancels its requests
             cleanup = BackgroundTasks()
             cleanup.add_task(fanout.cancel)
             return StreamingResponse(events, media_type="text/event-stream", background=cleanup)
-        return await collect(request, fanout, shape, len(reqs), prompt_field)
+        return await collect(request, fanout, shape, len(reqs) * k, prompt_field)
 
     return app
 

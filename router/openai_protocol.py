@@ -18,7 +18,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvferry.convert import structured_to_proto
-from kvferry.engine.request import InvalidRequestError
+from kvferry.engine.request import MAX_N, InvalidRequestError
 from kvferry.v1 import generate_pb2
 
 INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # what the gRPC messages carry
@@ -28,7 +28,7 @@ INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # what the gRPC messag
 # that would change the output is never accepted and ignored.
 NEUTRAL = {
     "echo": (None, False),  # (a completions field: the chat API has none)
-    "best_of": (None, 1),
+    "best_of": (None, 1),  # (a completions field: the chat API has none)
     "suffix": (None, ""),
     "tools": (None, []),  # (a chat field: completions have none)
     "tool_choice": (None, "none"),
@@ -170,10 +170,15 @@ class _Common(BaseModel):
             value = given.get(name)
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise InvalidRequestError(f"{name}={value!r} is not supported by kvferry")
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (one choice per prompt), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true")
+
+    @property
+    def sequences(self) -> int:
+        """Sequences sampled per prompt (best_of of them when given, of which the n best are answered)."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -214,6 +219,10 @@ class _Common(BaseModel):
         spec = self.structured()
         if spec is not None:
             p.structured.CopyFrom(structured_to_proto(spec[1], spec[2]))
+        if self.sequences > 1:
+            p.n = self.sequences
+            if self.sequences > self.n and not p.HasField("logprobs"):
+                p.logprobs = 0  # best_of ranks the sequences by their logprobs
         return p
 
     @property
@@ -226,6 +235,16 @@ class CompletionRequest(_Common):
     prompt: str | list[INT32] | list[str] | list[list[INT32]]
     logprobs: INT32 | None = None  # the top alternatives per token (0: the sampled token's only)
     echo: bool = False  # the prompt comes first in each choice (its logprobs too, with `logprobs`)
+    best_of: INT32 | None = None  # sample this many, answer the n with the highest log-probability
+
+    @property
+    def sequences(self) -> int:
+        best_of = self.best_of or self.n
+        if best_of < self.n or best_of > MAX_N:
+            raise InvalidRequestError(f"best_of must be in [n={self.n}, {MAX_N}], got {best_of}")
+        if best_of > self.n and self.stream:
+            raise InvalidRequestError("best_of > n cannot be streamed (the best are known at the end)")
+        return best_of
 
     @property
     def output_logprobs(self) -> int | None:
@@ -505,6 +524,7 @@ class ChoiceState:
     started: bool = False
     offset: int = 0  # text_offset of the next token (completions logprobs)
     tool_call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    cum_logprob: float = 0.0  # of its output tokens (best_of ranks by it)
 
 
 class ResponseShape:
@@ -529,9 +549,12 @@ class ResponseShape:
         drop_output: bool = False,
         prompt_logprobs: bool = False,
         tools: tuple[str, str | None] | None = None,
+        per_prompt: int = 1,
+        keep: int = 1,
     ):
         self.chat = chat
         self.tools = tools  # ChatCompletionRequest.tool_mode(): the output is tool calls
+        self.per_prompt, self.keep = per_prompt, keep  # sequences per prompt; answered: the best `keep`
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -651,6 +674,7 @@ class ResponseShape:
 
     def add(self, index: int, state: ChoiceState, msg: generate_pb2.GenerateResponse) -> None:
         """Fold one message into its choice (the whole response)."""
+        state.cum_logprob += sum(lp.logprob for lp in msg.logprobs)
         text, ids, logprobs = self._piece(index, state, msg)
         state.text += text
         state.token_ids += ids
@@ -678,9 +702,20 @@ class ResponseShape:
             out["completion_tokens"] = 0
         return out
 
+    def best(self, states: list[ChoiceState]) -> list[ChoiceState]:
+        """best_of: of each prompt's sequences, the `keep` with the highest log-probability, in order."""
+        if self.per_prompt == self.keep:
+            return states
+        out = []
+        for start in range(0, len(states), self.per_prompt):
+            group = states[start : start + self.per_prompt]
+            out += sorted(group, key=lambda st: -st.cum_logprob)[: self.keep]
+        return out
+
     def whole(self, states: list[ChoiceState]) -> dict:
+        finished = [s.finished for s in states]  # usage counts every sequence made (best_of's too)
         choices = []
-        for i, state in enumerate(states):
+        for i, state in enumerate(self.best(states)):
             f = state.finished
             choice: dict = {"index": i}
             calls = self.tool_calls(state) if self.tools is not None else None
@@ -703,7 +738,7 @@ class ResponseShape:
             choices.append(choice)
         out = self._head(self.object)
         out["choices"] = choices
-        out["usage"] = self.usage([s.finished for s in states])
+        out["usage"] = self.usage(finished)
         return out
 
 

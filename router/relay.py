@@ -59,7 +59,7 @@ class StreamRelay:
         decode_req = worker_pb2.DecodeRequest(
             request_id=handle.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_proto(replace(params, stop=())),
+            sampling=sampling_to_proto(replace(params, stop=(), n=1)),
             prefill_here=True,
             keys=keys,
         )
@@ -72,8 +72,10 @@ class StreamRelay:
         MAX_RETRIES times, never the same one twice): the client sees one unbroken stream."""
         tried: set[str] = set()
         decode_req, failed = first, None
+        shared = handle.shared
+        prefer = shared.leader.decode if shared is not None and handle.index and first.prefill_here else None
         for tries in itertools.count(1):
-            worker = self._pick_decode(decode_req, tried, failed)
+            worker = self._pick_decode(decode_req, tried, failed, prefer if tries == 1 else None)
             tried.update((worker.member_id, worker.group))
             try:
                 async for message in self._stream_decode(handle, worker, decode_req, relay):
@@ -94,11 +96,20 @@ class StreamRelay:
             )
             handle.release_pool = True  # the failed worker may not have released what it pulled
 
-    def _pick_decode(self, decode_req, tried: set[str], failed: WorkerFailed | None) -> Member:
-        """A decode worker not yet tried; none left: the last failure, if any, is the answer."""
+    def _pick_decode(
+        self, decode_req, tried: set[str], failed: WorkerFailed | None, prefer: Member | None = None
+    ) -> Member:
+        """A decode worker not yet tried (`prefer` while it is up: a colocated sibling goes where its
+        prompt is cached); none left: the last failure, if any, is the answer."""
         model = self.directory.model
         tokens = len(decode_req.prompt_token_ids) + decode_req.sampling.max_tokens
-        worker = pick_excluding(self.directory, "decode", tried, -(-tokens // model.block_size))
+        blocks = -(-tokens // model.block_size)
+        live = self.directory.members["decode"].get(prefer.member_id) if prefer is not None else None
+        usable = live is prefer and prefer is not None and prefer.member_id not in tried
+        if usable and not prefer.draining and prefer.suspect_until <= time.monotonic():
+            prefer.free_blocks -= blocks
+            return prefer
+        worker = pick_excluding(self.directory, "decode", tried, blocks)
         if worker is None:
             raise failed or RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         return worker

@@ -53,6 +53,7 @@ from kvferry.router.http_server import start_http
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import ROUTING_MODES, PrefillRouting, RoutingConfig
 from kvferry.router.relay import Relay, StreamRelay, response
+from kvferry.router.sequences import LeaderGone, Sequences
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
@@ -178,7 +179,7 @@ def public_model_name(name: str) -> str:
     return name
 
 
-class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.GenerationServicer):
+class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
@@ -219,9 +220,17 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
                 yield message
 
     async def run(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """The stream of an admitted request, the last message with `finished`. Raises RequestRejected
-        when a worker fails it (its code says why). Closing the stream early (the client went away)
-        releases everything the request holds in the workers and the pool."""
+        """The stream of an admitted request, the last message with `finished` (of each sequence, for
+        n > 1: `router.sequences`). Raises RequestRejected when a worker fails it (its code says why).
+        Closing the stream early (the client went away) releases everything the request holds in the
+        workers and the pool."""
+        stream = self._run_n(handle) if handle.params.n > 1 else self._run_one(handle)
+        async with contextlib.aclosing(stream):
+            async for message in stream:
+                yield message
+
+    async def _run_one(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """One sequence's stream (`run`)."""
         code = grpc.StatusCode.CANCELLED
         completed = False
         try:
@@ -277,12 +286,13 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
             yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
             return
         if self.cfg.colocated:
+            if handle.index:  # a sibling: once the leader's prompt is in its worker's prefix cache
+                await handle.shared.started.wait()
             async for message in self._colocated(handle, req, state, params, prompt_keys, t0):
                 yield message
             return
         t_prefill = time.perf_counter()
-        sampling = sampling_to_proto(params)
-        prefill = await self._prefill(handle, ids, sampling, prompt_keys, pooled)
+        prefill = await self._shared_or_own_prefill(handle, ids, prompt_keys, pooled)
         if prefill is None:
             yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
             return
@@ -311,7 +321,7 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
             prompt_token_ids=ids,
             first_token_id=prefill.first_token_id,
             # stop strings are applied here; the prompt's logprobs came with the prefill
-            sampling=sampling_to_proto(replace(params, stop=(), prompt_logprobs=None)),
+            sampling=sampling_to_proto(replace(params, stop=(), prompt_logprobs=None, n=1)),
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
             keys=prompt_keys,
@@ -319,6 +329,25 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
         relay = Relay(req, state, timings, cached_of(prefill), t0)
         async for message in self._relay(handle, decode_req, relay):
             yield message
+
+    async def _shared_or_own_prefill(self, handle: Inflight, ids, prompt_keys, pooled):
+        """The prefill of a sequence: its own (one sequence, or a sibling whose leader's did not come),
+        or, for the leader of n, one that samples every sequence's first token (router.sequences)."""
+        shared = handle.shared
+        if shared is not None and handle.index:
+            prefill = await self._sibling_prefill(handle)
+            if prefill is not None:
+                return prefill
+        sampling = sampling_to_proto(replace(handle.params, n=shared.n if shared and not handle.index else 1))
+        try:
+            prefill = await self._prefill(handle, ids, sampling, prompt_keys, pooled)
+        except BaseException as err:
+            if shared is not None and not handle.index and not shared.prefill.done():
+                shared.prefill.set_exception(LeaderGone(str(err)))
+            raise
+        if shared is not None and not handle.index and not shared.prefill.done():
+            shared.prefill.set_result(prefill)
+        return prefill
 
     async def _cleanup(self, handle: Inflight) -> None:
         """Release everything a request that ended early holds in the workers and the pool."""
@@ -352,18 +381,22 @@ class Router(Admission, PrefillDispatch, StreamRelay, generate_pb2_grpc.Generati
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
             )
+        for one in (handle, *handle.siblings):  # every sequence of the request
+            await self._abort(one)
+        return generate_pb2.AbortResponse()
+
+    async def _abort(self, handle: Inflight) -> None:
         handle.aborted = True
         if handle.decode is not None:
             try:
                 await handle.decode.stub.Abort(
-                    worker_pb2.WorkerAbortRequest(request_id=request.request_id), timeout=5
+                    worker_pb2.WorkerAbortRequest(request_id=handle.request_id), timeout=5
                 )
             except grpc.aio.AioRpcError as err:
-                log.warning("abort of %s failed: %s", request.request_id, err)
+                log.warning("abort of %s failed: %s", handle.request_id, err)
         else:
             for call in list(handle.calls):
                 call.cancel()
-        return generate_pb2.AbortResponse()
 
     async def GetModelInfo(self, request, context):
         model = self.directory.model

@@ -144,3 +144,19 @@ def test_logprobs_prompt_logprobs_and_penalties_colocated(colocated, tiny_model_
                 pad_token_id=0,
             )[0, len(ids) :].tolist()
         assert client.generate(penalized, timeout=60).token_ids == want
+
+
+def test_n_sequences_share_the_prompt_in_the_workers_prefix_cache(colocated):
+    """Colocated n: the leader computes the prompt; its siblings start once its first token is out and
+    find the prompt's full blocks in the same worker's prefix cache."""
+    from kvferry.router.client import build_request
+
+    ids = random_prompt(360, 40)  # 2 full blocks and a tail
+    request = build_request(prompt_token_ids=ids, max_tokens=4, temperature=1.0, ignore_eos=True, n=3)
+    with Client(colocated.router_addr) as client:
+        messages = list(client.stream(request, timeout=60))
+    finished = {m.index: m.finished for m in messages if m.HasField("finished")}
+    assert sorted(finished) == [0, 1, 2]
+    assert finished[0].cached_tokens == 0
+    assert finished[1].cached_tokens == finished[2].cached_tokens == 32
+    assert all(f.output_tokens == 4 for f in finished.values())

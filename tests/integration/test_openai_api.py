@@ -171,11 +171,11 @@ def post(url: str, body: dict | bytes) -> tuple[int, dict]:
         ({"prompt": ""}, 400, "prompt", "must not be empty"),
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_model_len is 1024"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
-        ({"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
         ({"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format.type", "json_schema"),
         ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "[0, 8192)"),
         ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens", "max_tokens=2"),
-        ({"prompt": "x", "n": 2}, 400, "n", "must be 1"),
+        ({"prompt": "x", "n": 65}, 400, "n", "[1, 64]"),
         ({"max_tokens": 3}, 400, "prompt", "Field required"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
         ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop", "at most 16 stop strings"),
@@ -602,3 +602,48 @@ def test_cache_salt_separates_tenants_cached_prefixes(cluster):
     assert cached() == 64
     code, reply = post(cluster.http_url + "/v1/completions", {**body, "cache_salt": "x" * 300})
     assert code == 400 and reply["error"]["param"] == "cache_salt"
+
+
+def prefill_computed(members) -> int:
+    return sum(s.prompt_tokens_computed for s in members.stats("prefill").values())
+
+
+def test_n_sequences_prefill_the_prompt_once(cluster, api, grpc_client, members):
+    ids = prompt_ids(64, 45)  # 2 full blocks and a tail
+    before = prefill_computed(members)
+    out = api.completions.create(model=NAME, prompt=ids, max_tokens=8, n=4, temperature=1.0, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason in ("length", "stop") for c in out.choices)
+    assert len({c.text for c in out.choices}) > 1  # four draws, not one answer four times
+    assert prefill_computed(members) - before == len(ids)  # computed once for all four
+    assert out.usage.prompt_tokens == 4 * len(ids)
+    # streamed, and over gRPC: every message says its sequence; each sequence ends once
+    chunks = list(
+        api.completions.create(model=NAME, prompt=ids[:20], max_tokens=5, n=3, temperature=1.0, stream=True)
+    )
+    ends = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert ends == [0, 1, 2]
+    request = build_request(prompt_token_ids=ids[:30], max_tokens=4, temperature=1.0, ignore_eos=True, n=3)
+    messages = list(grpc_client.stream(request, timeout=60))
+    done = sorted(m.index for m in messages if m.HasField("finished"))
+    assert done == [0, 1, 2]
+    assert all(sum(len(m.token_ids) for m in messages if m.index == i) == 4 for i in range(3))
+    chat = api.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, temperature=1.0
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_best_of_answers_the_most_likely_sequences(cluster, api):
+    ids = prompt_ids(65, 25)
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    code, reply = post(cluster.http_url + "/v1/completions", {**body, "n": 2, "best_of": 5, "logprobs": 0})
+    assert code == 200, reply
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in reply["choices"]]
+    assert sums[0] >= sums[1]
+    assert reply["usage"]["completion_tokens"] == 5 * 6  # all five were made
+    code, reply = post(cluster.http_url + "/v1/completions", {**body, "n": 2, "best_of": 5, "stream": True})
+    assert code == 400 and "cannot be streamed" in reply["error"]["message"]
+    code, reply = post(cluster.http_url + "/v1/completions", {**body, "n": 3, "best_of": 2})
+    assert code == 400 and reply["error"]["param"] == "best_of"

@@ -93,3 +93,16 @@ def test_bad_controls_are_refused_naming_the_field(engine, params, words):
     with pytest.raises(InvalidRequestError, match=None) as err:
         engine.make_request(None, SamplingParams(**params), PROMPT)
     assert words in str(err.value)
+
+
+def test_n_draws_every_first_token_from_the_same_logits(engine):
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=11, n=5, logprobs=0)
+    req = engine.make_request(None, params, PROMPT, "n-draws")
+    engine.submit(req)
+    list(engine.outputs_of("n-draws"))
+    firsts = [req.output_token_ids[0], *(s.token for s in req.sibling_samples)]
+    assert len(firsts) == 5 and len(set(firsts)) > 1
+    greedy = run(engine, temperature=0.0, max_tokens=1, logprobs=0)
+    ref = greedy.logprobs[0].top  # (the sampled token's own logprob: its entry in the same distribution)
+    assert all(s.logprob is not None and s.logprob.logprob <= 0 for s in req.sibling_samples)
+    assert ref == []
