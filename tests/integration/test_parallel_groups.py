@@ -37,6 +37,49 @@ def reference(tiny_model_dir, prompts, hf_greedy) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
 
 
+CONTROLS = {
+    "max_tokens": 12,
+    "temperature": 0.0,
+    "min_tokens": 12,
+    "repetition_penalty": 1.3,
+    "logprobs": 2,
+    "prompt_logprobs": 1,
+}
+REGEX = "[a-z ]+"
+
+
+@pytest.fixture(scope="module")
+def controls_reference(tiny_model_dir, prompts):
+    """The offline engine's answer (float32, one process) to a request under the sampling controls."""
+    from kvferry.engine.engine import EngineConfig, LLMEngine
+    from kvferry.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", **ENGINE))
+    params = SamplingParams(**CONTROLS, structured=("regex", REGEX))
+    (done,) = engine.generate([{"prompt_token_ids": prompts[0], "params": params}])
+    return done
+
+
+def check_controls(addr: str, prompts, ref) -> None:
+    """logprobs, prompt logprobs, a repetition penalty, min_tokens and a structured output through the
+    cluster's groups, for n = 2 sequences (greedy: both are the reference)."""
+    request = greedy(prompts[0], CONTROLS["max_tokens"])
+    request.sampling.ignore_eos = False
+    for name, value in CONTROLS.items():
+        setattr(request.sampling, name, value)
+    request.sampling.structured.regex = REGEX
+    request.sampling.n = 2
+    with Client(addr) as client:
+        messages = list(client.stream(request, timeout=120))
+    for index in (0, 1):
+        mine = [m for m in messages if m.index == index]
+        assert [t for m in mine for t in m.token_ids] == ref.output_token_ids
+        got = [lp.logprob for m in mine for lp in m.logprobs]
+        assert got == pytest.approx([lp.logprob for lp in ref.logprobs], abs=2e-4)
+        prompt_lps = [lp.logprob for lp in mine[0].prompt_logprobs]
+        assert prompt_lps == pytest.approx([lp.logprob for lp in ref.prompt_logprobs], abs=2e-4)
+
+
 def group(replicas: int = 1, **degree) -> WorkerGroupSettings:
     return WorkerGroupSettings(replicas=replicas, engine={**ENGINE, **degree})
 
@@ -62,8 +105,11 @@ def run_all(addr: str, prompts) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)])
-def test_greedy_parity(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, tp, ep):
-    """(TP 1, EP 1) is test_cluster.py's cluster; these are the other three corners of the matrix."""
+def test_greedy_parity(
+    redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, controls_reference, tp, ep
+):
+    """(TP 1, EP 1) is test_cluster.py's cluster; these are the other three corners of the matrix. The
+    sampling controls and outputs give the offline engine's answer in each too."""
     with start(
         redis_server,
         tiny_model_dir,
@@ -75,6 +121,7 @@ def test_greedy_parity(redis_server, tiny_model_dir, tmp_path_factory, prompts, 
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
             assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs at TP={tp} EP={ep}"
+        check_controls(cluster.router_addr, prompts, controls_reference)
         members = Members(cluster)
         try:
             prefill = members.stats("prefill")
