@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import torch
 
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
+from kvferry.proc import free_port
 from kvferry.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,3 +145,32 @@ class Timed:
                     self.bytes += args[0].numel() * args[0].element_size()
 
         return timed
+
+
+def start_up(
+    python: str, model: str, log_dir: Path, namespace: str, what: str = "kvferry up", *flags: str
+) -> tuple[subprocess.Popen, str]:
+    """`kvferry up --model model ... flags` run by `python` on free ports: (the process, its HTTP URL)
+    once every worker serves (its "cluster ready" line in log_dir/up.log)."""
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [python, "-m", "kvferry.cli", "up", "--model", model, "--port", str(port)]
+    argv += ["--http-port", str(http_port), "--namespace", namespace, "--log-dir", str(log_dir), *flags]
+    with open(log_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while b"cluster ready" not in (log_dir / "up.log").read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{what} did not come up; see {log_dir}")
+        time.sleep(1)
+    return proc, f"http://127.0.0.1:{http_port}"
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)  # `kvferry up` stops its cluster on Ctrl-C
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

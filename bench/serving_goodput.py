@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import baseline_python, bench_model_dir, print_result, remove_worktree
+from common import baseline_python, bench_model_dir, print_result, remove_worktree, start_up, stop_up
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.loadtest.sweep import add_sweep_args, run_sweep
-from kvferry.proc import free_port
 
 
 def served_model(url: str) -> str:
@@ -94,29 +92,7 @@ def start(model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1)
 def start_baseline(rev: str, model: str, work: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
     """`kvferry up` of commit `rev` (its own venv over this one's packages, bench.common.baseline_python),
     disaggregated with the launcher's defaults: (the process, its HTTP URL) once it serves."""
-    python = baseline_python(rev, work)
-    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    argv = [python, "-m", "kvferry.cli", "up", "--model", model, "--port", str(port)]
-    argv += ["--http-port", str(http_port), "--namespace", "baseline", "--log-dir", str(log_dir)]
-    with open(log_dir / "up.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while b"cluster ready" not in (log_dir / "up.log").read_bytes():  # every worker serves
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the baseline cluster ({rev}) did not come up; see {log_dir}")
-        time.sleep(1)
-    return proc, f"http://127.0.0.1:{http_port}"
-
-
-def stop_baseline(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)  # `kvferry up` stops its cluster on Ctrl-C
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_up(baseline_python(rev, work), model, log_dir, "baseline", f"the baseline cluster ({rev})")
 
 
 def main() -> None:
@@ -164,7 +140,7 @@ def main() -> None:
         for cluster in clusters:
             cluster.stop()
         if baseline is not None:
-            stop_baseline(baseline)
+            stop_up(baseline)
         remove_worktree(work)
         shutil.rmtree(work, ignore_errors=True)
     good = {label: report["targets"][label]["goodput"] for label in urls}

@@ -46,7 +46,14 @@ class Sequences:
         n = handle.params.n
         shared = SharedPrefill(n, leader=handle)
         handle.shared = shared
-        handle.siblings = [self._sibling(handle, i, shared) for i in range(1, n)]
+        try:
+            for i in range(1, n):
+                handle.siblings.append(self._sibling(handle, i, shared))
+        except RequestRejected:  # an id taken: nothing ran, so nothing is left in flight
+            for sibling in handle.siblings:
+                self.withdraw(sibling)
+            self.withdraw(handle)
+            raise
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, h: Inflight) -> None:
