@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -86,12 +87,14 @@ def eight_expert_model_dir(kvferry_cache) -> Path:
     return _tiny_with_experts(kvferry_cache, 8)
 
 
-def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """The `transformers` reference: greedy continuations (no EOS stop) of each prompt, float32."""
+def transformers_greedy(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, **generate_kwargs
+) -> list[list[int]]:
+    """The `transformers` reference: greedy continuations (no EOS stop) of each prompt, float32;
+    `generate_kwargs` go to `generate` (a repetition_penalty, say)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = _hf_model(str(model_dir))
     refs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -102,9 +105,32 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: i
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                **generate_kwargs,
             )
             refs.append(out[0, len(ids) :].tolist())
     return refs
+
+
+def transformers_log_softmax(model_dir: Path, ids: list[int]):
+    """The `transformers` reference's log-softmax at every position of `ids` ([len, vocab], float32)."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(_hf_model(str(model_dir))(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_log_softmax():
+    """transformers_log_softmax as a fixture."""
+    return transformers_log_softmax
 
 
 @pytest.fixture(scope="session")

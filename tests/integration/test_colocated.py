@@ -103,15 +103,13 @@ def test_loadtest_sweep_end_to_end(colocated, tmp_path):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_logprobs_prompt_logprobs_and_penalties_colocated(colocated, tiny_model_dir):
+def test_logprobs_prompt_logprobs_and_penalties_colocated(
+    colocated, tiny_model_dir, hf_greedy, hf_log_softmax
+):
     """One worker does both phases: it scores the prompt and the outputs itself (as transformers does),
     and the penalties count its own outputs."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from kvferry.router.client import build_request
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = random_prompt(350, 33)
     request = build_request(
         prompt_token_ids=ids, max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
@@ -120,8 +118,7 @@ def test_logprobs_prompt_logprobs_and_penalties_colocated(colocated, tiny_model_
         for _ in range(2):  # the second time its blocks are cached: still every prompt token is scored
             messages = list(client.stream(request, timeout=60))
             tokens = [t for m in messages for t in m.token_ids]
-            with torch.inference_mode():
-                ref = torch.log_softmax(hf(torch.tensor([ids + tokens])).logits[0], -1)
+            ref = hf_log_softmax(tiny_model_dir, ids + tokens)
             prompt_lps = messages[0].prompt_logprobs
             assert [lp.token_id for lp in prompt_lps] == ids[1:]
             for j, lp in enumerate(prompt_lps, 1):
@@ -133,16 +130,7 @@ def test_logprobs_prompt_logprobs_and_penalties_colocated(colocated, tiny_model_
         penalized = build_request(
             prompt_token_ids=ids, max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.8
         )
-        with torch.inference_mode():
-            want = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=10,
-                do_sample=False,
-                repetition_penalty=1.8,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
+        (want,) = hf_greedy(tiny_model_dir, [ids], 10, repetition_penalty=1.8)
         assert client.generate(penalized, timeout=60).token_ids == want
 
 

@@ -439,21 +439,14 @@ def test_many_concurrent_streams_all_complete(api):
 
 # -- logprobs, echo, the sampling controls, /tokenize (issue 28) -------------------------------------------
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+def reference_logprobs(tiny_model_dir, hf_log_softmax):
+    return lambda ids: hf_log_softmax(tiny_model_dir, ids)
 
 
 LOGPROB_TOL = 2e-4
 
 
-def test_echo_logprobs_are_transformers_loglikelihoods(cluster, hf_model):
+def test_echo_logprobs_are_transformers_loglikelihoods(cluster, reference_logprobs):
     """What lm-eval's loglikelihood asks: echo + logprobs + max_tokens 0, every prompt token scored."""
     ids = prompt_ids(60, 37)
     body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
@@ -461,7 +454,7 @@ def test_echo_logprobs_are_transformers_loglikelihoods(cluster, hf_model):
     assert code == 200, reply
     choice = reply["choices"][0]
     got = choice["logprobs"]
-    ref = hf_log_softmax(hf_model, ids)
+    ref = reference_logprobs(ids)
     assert len(got["token_logprobs"]) == len(ids) and got["token_logprobs"][0] is None
     for j in range(1, len(ids)):
         assert got["token_logprobs"][j] == pytest.approx(ref[j - 1, ids[j]].item(), abs=LOGPROB_TOL)
@@ -471,7 +464,7 @@ def test_echo_logprobs_are_transformers_loglikelihoods(cluster, hf_model):
     assert again["choices"][0]["logprobs"]["token_logprobs"] == got["token_logprobs"]
 
 
-def test_output_logprobs_through_prefill_and_decode(api, grpc_client, hf_model):
+def test_output_logprobs_through_prefill_and_decode(api, grpc_client, reference_logprobs):
     ids = prompt_ids(61, 21)
     out = api.completions.create(
         model=NAME,
@@ -483,7 +476,7 @@ def test_output_logprobs_through_prefill_and_decode(api, grpc_client, hf_model):
     )
     choice = out.choices[0]
     tokens = choice.model_extra["token_ids"]
-    ref = hf_log_softmax(hf_model, ids + tokens)
+    ref = reference_logprobs(ids + tokens)
     assert len(choice.logprobs.token_logprobs) == 6
     for i, (token, value) in enumerate(zip(tokens, choice.logprobs.token_logprobs, strict=True)):
         assert value == pytest.approx(ref[len(ids) - 1 + i, token].item(), abs=LOGPROB_TOL)
@@ -528,7 +521,7 @@ def test_chat_logprobs_with_the_openai_client(api):
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
 
 
-def test_penalties_and_min_tokens_through_the_cluster(api, hf_model, tiny_model_dir):
+def test_penalties_and_min_tokens_through_the_cluster(api, hf_greedy, tiny_model_dir):
     ids = prompt_ids(62, 19)
     out = api.completions.create(
         model=NAME,
@@ -537,17 +530,8 @@ def test_penalties_and_min_tokens_through_the_cluster(api, hf_model, tiny_model_
         temperature=0.0,
         extra_body={"ignore_eos": True, "repetition_penalty": 1.8, "return_token_ids": True},
     )
-    with torch.inference_mode():
-        ref = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            repetition_penalty=1.8,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert out.choices[0].model_extra["token_ids"] == ref[0, len(ids) :].tolist()
+    (ref,) = hf_greedy(tiny_model_dir, [ids], 12, repetition_penalty=1.8)
+    assert out.choices[0].model_extra["token_ids"] == ref
     # min_tokens: EOS pushed to the top is held back for 5 tokens (the first made by the prefill worker)
     eos = Tokenizer(tiny_model_dir).eos_token_id
     pushed = {"logit_bias": {str(eos): 100}, "return_token_ids": True}

@@ -161,7 +161,7 @@ def test_triton_kernels_match_transformers(checkpoint, prompts, reference):
 LOGPROB_TOL = 2e-4  # float32 logits of two implementations (absolute, in nats)
 
 
-def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+def log_softmax_of(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
 
@@ -175,7 +175,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint, hf_model, p
         done = engine.generate([{"prompt_token_ids": p, "params": params} for p in prompts[:4]])
         for prompt, ref, c in zip(prompts, reference, done, strict=False):
             assert c.output_token_ids == ref[:8]
-            full = hf_log_softmax(hf_model, prompt + ref[:8])
+            full = log_softmax_of(hf_model, prompt + ref[:8])
             for i, (token, lp) in enumerate(zip(c.output_token_ids, c.logprobs, strict=True)):
                 row = full[len(prompt) - 1 + i]
                 assert lp.token_id == token and lp.rank == 1
@@ -189,20 +189,10 @@ def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint, hf_model, p
                 assert len(lp.top) == 2
 
 
-def test_repetition_penalty_matches_transformers_generate(checkpoint, hf_model, prompts):
+def test_repetition_penalty_matches_transformers_generate(checkpoint, prompts, hf_greedy):
     """Greedy with a repetition penalty (over prompt and output tokens, as transformers applies it)."""
     engine = make_engine(checkpoint)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.8)
     done = engine.generate([{"prompt_token_ids": p, "params": params} for p in prompts[:3]])
-    with torch.inference_mode():
-        for prompt, c in zip(prompts, done, strict=False):
-            out = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=16,
-                do_sample=False,
-                repetition_penalty=1.8,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            assert c.output_token_ids == out[0, len(prompt) :].tolist()
+    want = hf_greedy(checkpoint, prompts[:3], 16, repetition_penalty=1.8)
+    assert [c.output_token_ids for c in done] == want
