@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 
-from kvferry.convert import logprobs_to_proto, sampling_from_proto
+from kvferry.convert import logprobs_to_proto, sampling_from_proto, structured_from_proto
 from kvferry.decode_worker.handoff import EarlyAborts, KVPull, LoopQueue, Stream
 from kvferry.decode_worker.lockstep import LockStep
 from kvferry.engine.engine import LLMEngine
@@ -100,7 +100,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         async with self.stream_slot(context):
             stream = Stream(request, LoopQueue())
-            stream.matcher = await self.compile_structured(request, context)
+            spec = structured_from_proto(request.sampling.structured)
+            stream.matcher = await self.compile_structured(request, spec, context)
             self.loop.submit(lambda: self._admit(stream))
             finished = False
             try:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 
-from kvferry.convert import logprob_to_proto, logprobs_to_proto, sampling_from_proto
+from kvferry.convert import logprob_to_proto, logprobs_to_proto, sampling_from_proto, structured_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
@@ -92,7 +92,8 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         async with self.stream_slot(context):
             job = PrefillJob(request, time.perf_counter())
             rid = request.request_id
-            job.matcher = await self.compile_structured(request, context)
+            spec = structured_from_proto(request.sampling.structured)
+            job.matcher = await self.compile_structured(request, spec, context)
             self.loop.submit(lambda: self._admit(job))
             try:
                 # shielded: a cancelled call cancels its job on the engine thread (_cancel), not here

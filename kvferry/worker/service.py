@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import grpc
 
-from kvferry.convert import structured_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop, EngineStopped
 from kvferry.engine.request import InvalidRequestError, Request
@@ -64,11 +63,10 @@ class EngineWorker:
         self.open_streams = 0  # (event-loop thread only)
         self.grammars = engine.grammars  # structured outputs compile in the gRPC handlers, off the engine
 
-    async def compile_structured(self, request, context):
-        """The structured output's matcher of a call (None without one), compiled off the engine thread
-        and brought to where the output stands (`request.output_offset` tokens made elsewhere). A
-        constraint the library refuses ends the call with INVALID_ARGUMENT."""
-        spec = structured_from_proto(request.sampling.structured)
+    async def compile_structured(self, request, spec: tuple[str, str] | None, context):
+        """The matcher of a call's structured output `spec` (None without one), compiled off the engine
+        thread and brought to where the output stands (`request.output_offset` tokens made elsewhere).
+        A constraint the library refuses ends the call with INVALID_ARGUMENT."""
         if spec is None:
             return None
         offset = getattr(request, "output_offset", 0)  # (a PrefillRequest has none)

@@ -52,12 +52,12 @@ def test_sampling_fields_map_to_the_grpc_names_with_openai_defaults():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("best_of", 2), ("suffix", "x"), ("bad_words", ["x"]), ("guided_decoding_backend", "xgrammar")],
+    [("prompt_embeds", "x"), ("suffix", "x"), ("bad_words", ["x"]), ("guided_decoding_backend", "xgrammar")],
 )
 def test_unimplemented_fields_are_refused_by_name_unless_neutral(field, value):
     with pytest.raises(InvalidRequestError, match=f"^{field}="):
         CompletionRequest(prompt="x", **{field: value}).generate_requests("r")
-    neutral = {"best_of": 1, "suffix": None, "bad_words": [], "guided_decoding_backend": "auto"}
+    neutral = {"prompt_embeds": None, "suffix": None, "bad_words": [], "guided_decoding_backend": "auto"}
     CompletionRequest(prompt="x", **{field: neutral[field]}).generate_requests("r")  # what clients send
 
 
@@ -101,8 +101,8 @@ def test_shape_errors_name_the_field():
         CompletionRequest(prompt="x", max_tokens=2**40)
     with pytest.raises(pydantic.ValidationError, match="seed"):
         CompletionRequest(prompt="x", seed=-1)
-    with pytest.raises(InvalidRequestError, match=r"^n must be 1"):
-        CompletionRequest(prompt="x", n=3).generate_requests("r")
+    with pytest.raises(InvalidRequestError, match=r"^n must be in \[1, 64\]"):
+        CompletionRequest(prompt="x", n=65).generate_requests("r")
     with pytest.raises(InvalidRequestError, match="stream_options"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).generate_requests("r")
 
