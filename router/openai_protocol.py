@@ -702,20 +702,22 @@ class ResponseShape:
             out["completion_tokens"] = 0
         return out
 
-    def best(self, states: list[ChoiceState]) -> list[ChoiceState]:
-        """best_of: of each prompt's sequences, the `keep` with the highest log-probability, in order."""
+    def best(self, states: list[ChoiceState]) -> list[tuple[int, ChoiceState]]:
+        """(index among all sequences, state) of the answered ones: best_of keeps, of each prompt's
+        sequences, the `keep` with the highest log-probability, in that order."""
+        indexed = list(enumerate(states))
         if self.per_prompt == self.keep:
-            return states
+            return indexed
         out = []
         for start in range(0, len(states), self.per_prompt):
-            group = states[start : start + self.per_prompt]
-            out += sorted(group, key=lambda st: -st.cum_logprob)[: self.keep]
+            group = indexed[start : start + self.per_prompt]
+            out += sorted(group, key=lambda item: -item[1].cum_logprob)[: self.keep]
         return out
 
     def whole(self, states: list[ChoiceState]) -> dict:
         finished = [s.finished for s in states]  # usage counts every sequence made (best_of's too)
         choices = []
-        for i, state in enumerate(self.best(states)):
+        for i, (made, state) in enumerate(self.best(states)):
             f = state.finished
             choice: dict = {"index": i}
             calls = self.tool_calls(state) if self.tools is not None else None
@@ -733,7 +735,7 @@ class ResponseShape:
             if self.return_token_ids:
                 choice["token_ids"] = state.token_ids
             if self.prompt_logprobs and self.lp is not None:
-                choice["prompt_logprobs"] = self.lp.prompt(self.echo_ids(i), state.prompt_logprobs)
+                choice["prompt_logprobs"] = self.lp.prompt(self.echo_ids(made), state.prompt_logprobs)
             choice["timings"] = timings(f)
             choices.append(choice)
         out = self._head(self.object)

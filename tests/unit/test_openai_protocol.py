@@ -359,3 +359,30 @@ def test_tool_choice_becomes_a_schema_and_auto_is_refused():
     choice = shape.whole([state])["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_best_of_keeps_each_prompts_most_likely_and_their_own_prompt(tiny_model_dir):
+    tok = Tokenizer(tiny_model_dir)
+    prompts = [tok.encode("first prompt"), tok.encode("second one here")]
+    k, n = 3, 1
+    shape = ResponseShape(
+        False,
+        "c",
+        "m",
+        True,
+        tok,
+        prompts=[Echo("", p) for p in prompts for _ in range(k)],
+        prompt_logprobs=True,
+        per_prompt=k,
+        keep=n,
+    )
+    states = [ChoiceState() for _ in range(len(prompts) * k)]
+    scores = [-3.0, -1.0, -2.0, -0.5, -4.0, -0.7]
+    for i, (state, score) in enumerate(zip(states, scores, strict=True)):
+        p = prompts[i // k]
+        prompt_lps = [lp(t, -1.0) for t in p[1:]]
+        shape.add(i, state, message(f"s{i}", [i], finished(), [lp(i, score)], prompt_lps))
+    choices = shape.whole(states)["choices"]
+    assert [c["text"] for c in choices] == ["s1", "s3"] and [c["index"] for c in choices] == [0, 1]
+    for c, p in zip(choices, prompts, strict=True):  # each answer's prompt logprobs are its own prompt's
+        assert [next(iter(e)) for e in c["prompt_logprobs"][1:]] == [str(t) for t in p[1:]]
