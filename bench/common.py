@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kvferry.kernels.cpu import cpu_flags
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
 from kvferry.proc import free_port
@@ -48,6 +49,12 @@ def remove_worktree(where: Path) -> None:
     """Take away the worktree `baseline_python` made under `where`, if any."""
     if (where / "src").exists():
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(where / "src")])
+
+
+def reported_cpu_flags() -> list[str]:
+    """The flags that decide which kernels serve (what a benchmark's figures must be read against)."""
+    have = cpu_flags()
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
 
 
 def bench_model_dir(model: str = "bench") -> Path:

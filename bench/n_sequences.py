@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, print_result
-from sampling_overhead import cpu_flags
+from common import bench_model_dir, print_result, reported_cpu_flags
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings
 from kvferry.deploy.local import LocalCluster
@@ -118,7 +117,7 @@ def main() -> int:
     result = {
         "bench": "n_sequences",
         "model": args.model,
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": reported_cpu_flags(),
         "n": args.n,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,

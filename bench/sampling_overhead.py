@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, print_result
+from common import bench_model_dir, print_result, reported_cpu_flags
 
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
@@ -51,14 +51,6 @@ SETTINGS = {
     "sampled": {"temperature": 1.0},
     "json": {"temperature": 1.0, "structured": ("json_schema", json.dumps(SCHEMA))},
 }
-
-
-def cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    have = set(
-        next((line.split(":")[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    )
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, tokens: int, settings: dict, seed: int) -> float:
@@ -106,7 +98,7 @@ def main() -> int:
         "model": args.model,
         "dtype": str(engine.dtype),
         "kernels": engine.kernel_backend,
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": reported_cpu_flags(),
         "native_bf16": cpu_has_native_bf16(),
         "batch": args.batch,
         "step_ms": {name: round(v, 3) for name, v in best.items()},

@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, print_result, start_up, stop_up
-from sampling_overhead import cpu_flags
+from common import bench_model_dir, print_result, reported_cpu_flags, start_up, stop_up
 
 KEEP = ("completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms")
 
@@ -87,7 +86,7 @@ def main() -> int:
     result = {
         "bench": "vllm_bench_serve",
         "model": args.model,
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": reported_cpu_flags(),
         "request_rate": args.request_rate,
         "num_prompts": args.num_prompts,
         "plain": plain,

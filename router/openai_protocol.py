@@ -580,20 +580,15 @@ class ResponseShape:
         if msg.prompt_logprobs:
             state.prompt_logprobs = list(msg.prompt_logprobs)
         echo = self.prompts[index] if self.echo and first else None
-        if echo is not None:
-            text = echo.text + text
-            if self.logprobs is not None:
-                prompt_lps = [None, *state.prompt_logprobs][: len(echo.token_ids)]
-                prompt_lps += [None] * (len(echo.token_ids) - len(prompt_lps))
-                ids_all, lps_all = echo.token_ids + ids, prompt_lps + lps
-            ids = echo.token_ids + ids
+        if echo is not None:  # the prompt first: its first token has no logprob
+            text, ids = echo.text + text, echo.token_ids + ids
+            prompt_lps = [None, *state.prompt_logprobs][: len(echo.token_ids)]
+            lps = prompt_lps + [None] * (len(echo.token_ids) - len(prompt_lps)) + lps
         if self.logprobs is not None:
-            if echo is None:
-                ids_all, lps_all = ids, lps
             if self.chat:
-                logprobs = self.lp.chat(lps_all)
+                logprobs = self.lp.chat(lps)
             else:
-                logprobs, state.offset = self.lp.completion(ids_all, lps_all, state.offset)
+                logprobs, state.offset = self.lp.completion(ids, lps, state.offset)
         return text, ids, logprobs
 
     def chunk(self, index: int, state: ChoiceState, msg: generate_pb2.GenerateResponse) -> dict:

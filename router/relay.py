@@ -104,15 +104,23 @@ class StreamRelay:
         model = self.directory.model
         tokens = len(decode_req.prompt_token_ids) + decode_req.sampling.max_tokens
         blocks = -(-tokens // model.block_size)
-        live = self.directory.members["decode"].get(prefer.member_id) if prefer is not None else None
-        usable = live is prefer and prefer is not None and prefer.member_id not in tried
-        if usable and not prefer.draining and prefer.suspect_until <= time.monotonic():
+        if prefer is not None and self._still_usable(prefer, tried):
             prefer.free_blocks -= blocks
             return prefer
         worker = pick_excluding(self.directory, "decode", tried, blocks)
         if worker is None:
             raise failed or RequestRejected(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         return worker
+
+    def _still_usable(self, member: Member, tried: set[str]) -> bool:
+        """Whether a decode member is still in the registry, untried, not draining nor suspect."""
+        live = self.directory.members["decode"].get(member.member_id) is member
+        return (
+            live
+            and member.member_id not in tried
+            and not member.draining
+            and member.suspect_until <= time.monotonic()
+        )
 
     async def _stream_decode(self, handle: Inflight, worker: Member, decode_req, relay: Relay):
         """One decode worker's stream of `decode_req`, relayed as the client's messages (first token

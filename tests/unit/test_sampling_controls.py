@@ -100,9 +100,13 @@ def test_n_draws_every_first_token_from_the_same_logits(engine):
     req = engine.make_request(None, params, PROMPT, "n-draws")
     engine.submit(req)
     list(engine.outputs_of("n-draws"))
-    firsts = [req.output_token_ids[0], *(s.token for s in req.sibling_samples)]
-    assert len(firsts) == 5 and len(set(firsts)) > 1
-    greedy = run(engine, temperature=0.0, max_tokens=1, logprobs=0)
-    ref = greedy.logprobs[0].top  # (the sampled token's own logprob: its entry in the same distribution)
-    assert all(s.logprob is not None and s.logprob.logprob <= 0 for s in req.sibling_samples)
-    assert ref == []
+    draws = [
+        (req.output_token_ids[0], req.output_logprobs[0]),
+        *((s.token, s.logprob) for s in req.sibling_samples),
+    ]
+    assert len(draws) == 5 and len({t for t, _ in draws}) > 1
+    for token, lp in draws:  # each one's logprob is that token's under the prompt's own distribution
+        scored = run(engine, [*PROMPT, token], temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        assert lp.token_id == token and lp.logprob == pytest.approx(
+            scored.prompt_logprobs[-1].logprob, abs=1e-4
+        )

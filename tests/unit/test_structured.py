@@ -57,13 +57,18 @@ def test_masks_allow_exactly_what_the_constraints_allow(grammars, tokenizer):
     assert text.startswith('{"n": ')
 
 
-def test_the_cache_compiles_each_constraint_once_and_hands_out_copies(grammars):
-    a = grammars.matcher("regex", "ab+")
-    b = grammars.matcher("regex", "ab+")
-    assert a is not b and len([k for k in grammars._cache if k == ("regex", "ab+")]) == 1
-    assert a.consume_token(a.compute_ff_tokens()[0]) if a.compute_ff_tokens() else True
-    fresh = grammars.matcher("regex", "ab+")  # unaffected by what `a` consumed
-    assert not fresh.is_accepting()
+def test_the_cache_compiles_each_constraint_once_and_hands_out_copies(grammars, tokenizer):
+    key = ("regex", "ab+")
+    a = grammars.matcher(*key)
+    start = grammars._cache[key]
+    b = grammars.matcher(*key)
+    assert grammars._cache[key] is start and a is not b and a is not start  # compiled once, copied
+    vocab = tokenizer.vocab_size
+    before = fill_mask([b], vocab)
+    assert a.consume_tokens(tokenizer.encode("ab"))  # moves `a` on ...
+    assert not torch.equal(fill_mask([a], vocab), before)
+    assert torch.equal(fill_mask([b], vocab), before)  # ... and neither its sibling
+    assert torch.equal(fill_mask([grammars.matcher(*key)], vocab), before)  # nor the cached start
 
 
 def test_replay_rebuilds_the_state_another_worker_had(grammars, tokenizer):
