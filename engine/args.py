@@ -11,7 +11,9 @@ from kvferry.engine.engine import KERNEL_CHOICES, EngineConfig
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="checkpoint directory, or a built-in name (tiny, bench)")
+    p.add_argument(
+        "--model", default=d.model, help="checkpoint directory, or a built-in name (tiny, bench, trained)"
+    )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument(

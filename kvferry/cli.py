@@ -2,6 +2,7 @@
 
 kvferry model create NAME        write a built-in model (seeded weights + tokenizer) to the cache
 kvferry generate                 offline generation in this process, or against a router (--router)
+kvferry eval                     held-out perplexity through the engine (default model: trained)
 kvferry up                       start a whole cluster: local processes, or on Ray (--ray)
 kvferry scale                    set the number of prefill / decode groups of a running cluster
 kvferry down                     stop a cluster started with --detach on Ray
@@ -20,6 +21,8 @@ from kvferry.engine.engine import EngineConfigError, LLMEngine
 from kvferry.engine.output import Completion
 from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import ModelConfigError
+from kvferry.model.corpus import SPLITS
+from kvferry.model.create import SPECS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _model_parser(sub)
     _generate_parser(sub)
+    _eval_parser(sub)
     _up_parser(sub)
     _scale_parser(sub)
     _down_parser(sub)
@@ -69,7 +73,9 @@ def _model_parser(sub) -> None:
     model = sub.add_parser("model", help="manage built-in deterministic models")
     msub = model.add_subparsers(dest="model_command", required=True)
     create = msub.add_parser("create", help="write a built-in model (seeded weights + trained tokenizer)")
-    create.add_argument("name", choices=["tiny", "bench"])
+    create.add_argument(
+        "name", choices=SPECS, help="trained: trained here on the standard library (minutes, once)"
+    )
     create.add_argument("--out", type=Path, help="directory (default: the model cache)")
     create.add_argument("--seed", type=int, default=0)
     create.set_defaults(func=_cmd_model_create)
@@ -173,6 +179,32 @@ def _cmd_generate(args) -> int:
         print(json.dumps(done.to_json()))
     else:
         print(f"\n[finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="held-out perplexity through the engine (the standard library's held-out split)",
+        description="Perplexity of the model on the held-out split of the Python standard library sources "
+        "(the files `kvferry model create trained` did not train on), scored by the engine in windows of "
+        "--context tokens with the engine settings given. Prints one JSON object.",
+    )
+    ev.add_argument("--context", type=int, default=256, help="tokens per scored window")
+    ev.add_argument("--max-eval-tokens", type=int, default=32768, help="held-out tokens to score (at most)")
+    ev.add_argument("--split", default="heldout", choices=SPLITS)
+    add_engine_args(ev)
+    ev.set_defaults(func=_cmd_eval, model="trained")
+
+
+def _cmd_eval(args) -> int:
+    from kvferry.evaluate import heldout_tokens, perplexity
+
+    engine = LLMEngine(engine_config_from(args))
+    tokens = heldout_tokens(engine, args.max_eval_tokens, args.split)
+    result = perplexity(engine, tokens, args.context, progress=True)
+    info = {"model": args.model, "split": args.split, "dtype": str(engine.dtype).removeprefix("torch.")}
+    print(json.dumps({**info, "kernels": engine.kernel_backend, **result}))
     return 0
 
 

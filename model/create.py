@@ -3,7 +3,9 @@
 `create_model("tiny", out)` writes config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json (with a ChatML chat template) and safetensors. The same spec, seed and Python
 standard library give the same bytes. Like vLLM's `--load-format dummy`, this stands in for hub
-downloads, which do not exist here.
+downloads, which do not exist here. A spec with a `_train` block (`trained`) starts from the seeded
+weights and is trained on the standard library's training split (`train.py`, a few minutes on 2 cores;
+deterministic given the seed and thread count on one kind of CPU), and records the run in training.json.
 """
 
 from __future__ import annotations
@@ -24,17 +26,26 @@ from safetensors.torch import save_file
 from kvferry.model.chat_template import CHATML
 from kvferry.model.config import ModelConfig, ModelConfigError
 
-SPECS = ("tiny", "bench")
+SPECS = ("tiny", "bench", "trained")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_spec(name: str) -> dict:
+    """The built-in model's config.json fields."""
+    return {k: v for k, v in _raw_spec(name).items() if not k.startswith("_")}
+
+
+def training_spec(name: str) -> dict | None:
+    """The built-in model's training settings (`train.TrainConfig` fields), None for a seeded model."""
+    return _raw_spec(name).get("_train")
+
+
+def _raw_spec(name: str) -> dict:
     if name not in SPECS:
         raise ModelConfigError(f"unknown built-in model {name!r}; choose one of {', '.join(SPECS)}")
-    raw = json.loads(resources.files("kvferry.model").joinpath("specs", f"{name}.json").read_text())
-    return {k: v for k, v in raw.items() if not k.startswith("_")}
+    return json.loads(resources.files("kvferry.model").joinpath("specs", f"{name}.json").read_text())
 
 
 def resolve_model(model: str, models_dir: Path) -> Path:
@@ -54,10 +65,15 @@ def resolve_model(model: str, models_dir: Path) -> Path:
 
 def create_model(name: str, out: Path, seed: int = 0, max_shard_bytes: int = 2**31) -> Path:
     """Write the built-in model `name` to `out` atomically (a temp dir renamed into place)."""
-    return create_from_spec(load_spec(name), out, seed=seed, max_shard_bytes=max_shard_bytes)
+    return create_from_spec(
+        load_spec(name), out, seed=seed, max_shard_bytes=max_shard_bytes, training=training_spec(name)
+    )
 
 
-def create_from_spec(spec: dict, out: Path, seed: int = 0, max_shard_bytes: int = 2**31) -> Path:
+def create_from_spec(
+    spec: dict, out: Path, seed: int = 0, max_shard_bytes: int = 2**31, training: dict | None = None
+) -> Path:
+    """`training`: train the seeded weights with these `train.TrainConfig` settings before saving."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -82,7 +98,12 @@ def create_from_spec(spec: dict, out: Path, seed: int = 0, max_shard_bytes: int 
             },
         )
         dtype = getattr(torch, spec.get("torch_dtype", "bfloat16"))
-        tensors = random_weights(ModelConfig.from_dict(config), seed, dtype)
+        model_cfg = ModelConfig.from_dict(config)
+        if training is None:
+            tensors = random_weights(model_cfg, seed, dtype)
+        else:
+            tensors = _trained_weights(model_cfg, tokenizer, config["eos_token_id"], training, seed, tmp)
+            tensors = {name: t.to(dtype) for name, t in tensors.items()}
         save_sharded(tensors, tmp, max_shard_bytes)
         if out.exists():  # someone else finished first; theirs is byte-identical
             shutil.rmtree(tmp)
@@ -133,6 +154,18 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
                 p + "mlp.down_proj.weight": ((h, inter), 0.02),
             }
     return {name: _seeded(name, shape, std, seed).to(dtype) for name, (shape, std) in shapes.items()}
+
+
+def _trained_weights(cfg: ModelConfig, tokenizer, eos_id: int, training: dict, seed: int, out: Path):
+    from kvferry.model.train import TrainConfig, train_weights  # training is off the serving path
+
+    init = random_weights(cfg, seed, torch.float32)
+    # logits near zero at the start (the seeded models' lm_head is scaled for peaked logits)
+    init["lm_head.weight"] = _seeded("lm_head.weight", tuple(init["lm_head.weight"].shape), 0.02, seed)
+    print("training the model on the Python standard library (once; then cached)", file=sys.stderr)
+    tensors, record = train_weights(cfg, init, tokenizer, eos_id, TrainConfig.from_dict(training), seed)
+    _write_json(out / "training.json", record)
+    return tensors
 
 
 def _seeded(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:

@@ -18,6 +18,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Many texts at once (the Rust encoder runs them in parallel)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def to_json(self) -> str:
         """The tokenizer as Hugging Face's tokenizer.json text."""
         return self._tok.to_str()
