@@ -395,6 +395,9 @@ class ClusterConfig:
         if engine:  # vLLM's engine flags: every group's engine
             for group in ("prefill", "decode"):
                 cfg = cfg._each(group, lambda s, e=engine: replace(s, engine={**s.engine, **e}))
+        if values.get("speculative_config") is not None:  # tokens are decoded on the decode groups only
+            spec = {"speculative_config": values["speculative_config"]}
+            cfg = cfg._each("decode", lambda s, e=spec: replace(s, engine={**s.engine, **e}))
         if values.get("api_keys"):
             cfg = replace(cfg, router=replace(cfg.router, api_keys=tuple(values["api_keys"])))
         for key in ("ssl_certfile", "ssl_keyfile"):

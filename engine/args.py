@@ -4,6 +4,7 @@ workers and the launchers, which spell an EngineConfig back into these flags).""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 
 from kvferry.engine.engine import KERNEL_CHOICES, EngineConfig
@@ -53,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode workers: stream a request's tokens this many per message after its first (fewer "
         "messages for the router; the client gets them in bursts)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=d.speculative_config,
+        help='speculative decoding, as vLLM spells it: JSON such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup)',
+    )
 
 
 def engine_config_from(args) -> EngineConfig:
@@ -71,6 +78,8 @@ def engine_flags(engine: EngineConfig) -> list[str]:
         flag = "--" + ("engine-seed" if f.name == "seed" else f.name.replace("_", "-"))
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):  # speculative_config given as a mapping (a cluster file)
+            out += [flag, json.dumps(value)]
         else:
             out += [flag, str(value)]
     return out

@@ -30,6 +30,7 @@ from kvferry.engine.request import (
     validate_request,
 )
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvferry.engine.spec_decode import NgramProposer, SpeculativeConfig, SpeculativeConfigError
 from kvferry.engine.structured import Grammars
 from kvferry.kernels.select import KERNEL_CHOICES, KernelsUnavailable, choose
 from kvferry.model.config import (
@@ -71,6 +72,8 @@ class EngineConfig:
     # message carries whatever is left): fewer messages for the router to relay (vLLM's and SGLang's
     # --stream-interval), in bursts for the client
     stream_interval: int = 1
+    # speculative decoding, vLLM's --speculative-config JSON (engine.spec_decode); None: off
+    speculative_config: str | None = None
 
     def validate(self) -> None:
         for name in (
@@ -95,6 +98,10 @@ class EngineConfig:
             )
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except (SpeculativeConfigError, TypeError) as err:
+            raise EngineConfigError(str(err)) from None
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
             raise EngineConfigError(
                 "tensor_parallel_size and expert_parallel_size cannot both be > 1 in one group "
@@ -175,6 +182,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._ended: list[OutputState] = []  # finished outside a step (aborted, done on arrival)
         self.num_steps = 0
+        speculative = SpeculativeConfig.parse(cfg.speculative_config)
+        self.proposer = NgramProposer(speculative) if speculative else None
+        self.spec_proposed = 0  # draft tokens verified, and those the target accepted
+        self.spec_accepted = 0
         self.kv = KVHandoff(self)  # what the workers do with KV computed or used elsewhere
 
     @property
@@ -269,6 +280,8 @@ class LLMEngine:
         expert-parallel rank stepping in lock-step with busier ranks)."""
         outputs = [self._finish_output(s) for s in self._ended]
         self._ended = []
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if batch.work:
             model = self.runner.model
@@ -285,12 +298,32 @@ class LLMEngine:
             self.num_steps += 1
         return outputs
 
-    def _update(self, batch: ScheduledBatch, sampled: dict[Request, Sampled]) -> list[RequestOutput]:
+    def _propose(self) -> None:
+        """Draft tokens for every running request in steady decode (speculative decoding); a request with
+        a structured output or prompt logprobs decodes one token per step."""
+        for req in self.scheduler.running:
+            req.spec_tokens = []
+            if (
+                req.num_computed_tokens != req.num_tokens - 1
+                or not req.output_token_ids
+                or req.matcher is not None
+                or req.params.prompt_logprobs is not None
+            ):
+                continue
+            room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            req.spec_tokens = self.proposer.propose(req.all_token_ids, room - 1)
+
+    def _update(
+        self, batch: ScheduledBatch, sampled: dict[Request, Sampled | list[Sampled]]
+    ) -> list[RequestOutput]:
         outputs = []
         for req in self.scheduler.update(batch):
             state = self.states[req.request_id]
             out = sampled[req]
-            finished = state.add_token(out.token, out.logprob)
+            if isinstance(out, list):
+                finished = self._add_verified(req, state, out)
+            else:
+                finished = state.add_token(out.token, out.logprob)
             if finished is not None:
                 if self.kv.finished_hook is not None:
                     self.kv.finished_hook(req)
@@ -299,6 +332,23 @@ class LLMEngine:
             else:
                 outputs.append(state.emit())
         return outputs
+
+    def _add_verified(self, req: Request, state: OutputState, tokens: list[Sampled]) -> RequestStatus | None:
+        """A decode with drafts: the accepted drafts (their KV was computed in this step) and the
+        target's own token, up to the first that finishes the request."""
+        self.spec_proposed += len(req.spec_tokens)
+        self.spec_accepted += len(tokens) - 1
+        req.spec_tokens = []
+        finished = None
+        for j, out in enumerate(tokens):
+            finished = state.add_token(out.token, out.logprob)
+            if finished is not None:
+                break
+            if j < len(tokens) - 1:  # an accepted draft: computed this step
+                req.num_computed_tokens += 1
+        if finished is None:
+            self.block_manager.commit(req)
+        return finished
 
     def _finish_output(self, state: OutputState) -> RequestOutput:
         del self.states[state.req.request_id]

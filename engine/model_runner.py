@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +12,7 @@ from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.engine.structured import fill_mask, masks
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
-from kvferry.model.sampler import Sampled, SampleRow, sample, token_logprobs
+from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample, token_logprobs
 
 
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
@@ -60,19 +60,23 @@ class ModelRunner:
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
 
-    def run(self, batch: ScheduledBatch) -> dict[Request, Sampled]:
+    def run(self, batch: ScheduledBatch) -> dict[Request, Sampled | list[Sampled]]:
         """Compute every scheduled token; sample for the requests whose last token was computed (and
-        score the prompt tokens of the requests that ask for prompt logprobs)."""
+        score the prompt tokens of the requests that ask for prompt logprobs). A decode with drafts
+        (`req.spec_tokens`) gets a list: the drafts the target accepted and one token of its own."""
         work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
         step = StepInputs()
         sampled_reqs = []
         scored: list[tuple[Request, int, int]] = []  # (request, first position, count): prompt logprobs
         score_rows: list[int] = []
         bs = self.block_size
+        spec: list[tuple[Request, int]] = []  # (request, its first row): decodes with drafts
+        spec_rows: list[int] = []
         for req, n in work:
             start = req.num_computed_tokens
             row = len(step.input_ids)
-            step.input_ids += req.token_ids(start, n)
+            drafts = req.spec_tokens
+            step.input_ids += req.token_ids(start, n - len(drafts)) + drafts
             step.positions += range(start, start + n)
             cached = req.num_committed_blocks * bs  # K/V already there: never written again
             step.slot_blocks += [
@@ -84,7 +88,10 @@ class ModelRunner:
                 step.decode_lens.append(start + 1)
             else:
                 step.prefills.append((row, n, start + n, req.block_ids))
-            if start + n == req.num_tokens:
+            if drafts:  # logits at the last token and after each draft
+                spec.append((req, len(spec_rows)))
+                spec_rows += range(row, row + n)
+            elif start + n == req.num_tokens:
                 step.sample_rows.append(row + n - 1)
                 sampled_reqs.append(req)
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
@@ -92,14 +99,27 @@ class ModelRunner:
                 scored.append((req, start, end - start))
                 score_rows += range(row, row + end - start)
         num_sampled = len(step.sample_rows)
-        step.sample_rows += score_rows  # after the sampled rows: their logits come first
+        step.sample_rows += spec_rows + score_rows  # after the sampled rows: their logits come first
         if self.broadcast_step is not None:
             self.broadcast_step(step)
         logits = self.execute(step)
-        if not sampled_reqs and not scored:
+        if not sampled_reqs and not scored and not spec:
             return {}
         if scored:
-            self._score_prompts(logits, num_sampled, scored)
+            self._score_prompts(logits, num_sampled + len(spec_rows), scored)
+        verified = {
+            req: speculative_sample(
+                logits[num_sampled + at : num_sampled + at + len(req.spec_tokens) + 1],
+                self._draft_rows(req),
+                req.spec_tokens,
+            )
+            for req, at in spec
+        }
+        if not sampled_reqs:
+            return verified
+        return self._sample(logits, num_sampled, sampled_reqs) | verified
+
+    def _sample(self, logits: torch.Tensor, num_sampled: int, sampled_reqs: list[Request]):
         rows = [self._sample_row(r) for r in sampled_reqs]
         constrained = [i for i, r in enumerate(sampled_reqs) if r.matcher is not None]
         if constrained:  # structured outputs: the tokens each grammar allows next
@@ -125,15 +145,23 @@ class ModelRunner:
         return dict(zip(sampled_reqs, sample(logits[:num_sampled], rows), strict=True))
 
     @staticmethod
-    def _sample_row(req: Request) -> SampleRow:
+    def _sample_row(req: Request, drafts: Sequence[int] = ()) -> SampleRow:
+        """`drafts`: the sampled position follows these draft tokens (they count as outputs)."""
         params = req.params
         return SampleRow(
             params.spec,
             req.generator,
             prompt=req.prompt_token_ids[: req.num_prompt_tokens - req.output_offset],
-            outputs=req.generated if params.spec.penalized else (),
-            banned=req.banned_until_min if len(req.output_token_ids) < params.min_tokens else (),
+            outputs=[*req.generated, *drafts] if params.spec.penalized else (),
+            banned=req.banned_until_min
+            if len(req.output_token_ids) + len(drafts) < params.min_tokens
+            else (),
         )
+
+    @classmethod
+    def _draft_rows(cls, req: Request) -> list[SampleRow]:
+        """The sample rows of a decode with drafts: after 0, 1, ..., k of its drafts."""
+        return [cls._sample_row(req, req.spec_tokens[:j]) for j in range(len(req.spec_tokens) + 1)]
 
     @staticmethod
     def _score_prompts(logits: torch.Tensor, row: int, scored: list[tuple[Request, int, int]]) -> None:

@@ -206,6 +206,7 @@ class Request:
     salt_key: bytes | None = None  # the parent of its first block key (engine.block_hash.salt_key)
     matcher: object | None = None  # its structured output's llguidance matcher (engine.structured)
     sibling_samples: list = field(default_factory=list)  # params.n > 1: the other first tokens (Sampled)
+    spec_tokens: list[int] = field(default_factory=list)  # this step's draft tokens (engine.spec_decode)
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:

@@ -12,6 +12,9 @@ request passes through: waiting -> running -> (preempted -> waiting ->) finished
 A request whose prompt KV is computed elsewhere (a disaggregated decode) starts in `awaiting_kv`
 (WAITING_FOR_REMOTE_KV, `park`): held, never scheduled, and finished like any other if aborted there.
 When its KV has landed in blocks it holds, `resume` queues it to go on after that KV.
+
+A running decode with draft tokens (`req.spec_tokens`, speculative decoding) is scheduled as its last
+token plus the drafts that fit the budget; drafts never cause a preemption (they are dropped first).
 """
 
 from __future__ import annotations
@@ -76,7 +79,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if req.spec_tokens:  # a decode with drafts (engine.spec_decode): its token and as many drafts
+                req.spec_tokens = req.spec_tokens[: budget - 1] if remaining == 1 else []
+                if req.spec_tokens and self.blocks.allocate(req, 1 + len(req.spec_tokens)):
+                    n = 1 + len(req.spec_tokens)
+                else:  # drafts never cost a preemption
+                    req.spec_tokens = []
             while not self.blocks.allocate(req, n):
                 victim = self.running.pop()  # never one already scheduled: those sit before `index`
                 self._preempt(victim)
@@ -118,6 +128,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req)
+        req.spec_tokens = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -125,10 +136,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, batch: ScheduledBatch) -> list[Request]:
-        """Advance computed-token counters; returns the requests that reached their last token."""
+        """Advance computed-token counters; returns the requests that reached their last token. A row's
+        drafts are not counted here: the engine counts those the target accepted."""
         done = []
         for req, n in batch.work:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.spec_tokens)
             self.blocks.commit(req)
             if req.num_computed_tokens == req.num_tokens:
                 done.append(req)

@@ -397,6 +397,12 @@ def _up_parser(sub) -> None:
         default=None,
         help="the workers' prefix caches (default on)",
     )
+    up.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding on the decode workers (and colocated ones), vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--prefill-replicas", type=int, default=None)
     up.add_argument("--decode-replicas", type=int, default=None)
@@ -467,6 +473,7 @@ def _cmd_up(args) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

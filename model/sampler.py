@@ -152,6 +152,15 @@ def token_logprobs(
     ]
 
 
+def target_probs(processed: torch.Tensor, spec: SamplingSpec, gen: torch.Generator | None) -> torch.Tensor:
+    """Step 4's distribution of a non-greedy row (its controls applied already), on `gen`'s device."""
+    scaled = apply_min_p(processed / spec.temperature, spec.min_p)
+    probs = apply_top_k_top_p(scaled, spec.top_k, spec.top_p).softmax(-1)
+    if gen is not None and gen.device != probs.device:  # seeded generators are CPU generators
+        probs = probs.to(gen.device)
+    return probs
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
     """logits: [N, V] float32, one row per SampleRow. Returns one Sampled per row."""
     controlled = [i for i, r in enumerate(rows) if r.controlled]
@@ -167,10 +176,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
         if spec.greedy:
             tokens.append(greedy[i])
             continue
-        scaled = apply_min_p(processed[i] / spec.temperature, spec.min_p)
-        probs = apply_top_k_top_p(scaled, spec.top_k, spec.top_p).softmax(-1)
-        if gen is not None and gen.device != probs.device:  # seeded generators are CPU generators
-            probs = probs.to(gen.device)
+        probs = target_probs(processed[i], spec, gen)
         tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
     out = [Sampled(t) for t in tokens]
     wanted = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
@@ -180,4 +186,54 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
         )
         for i, lp in zip(wanted, found, strict=True):
             out[i].logprob = lp
+    return out
+
+
+def speculative_sample(
+    logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[int]
+) -> list[Sampled]:
+    """Verify `drafts` (k proposed tokens, a deterministic proposal such as n-gram lookup) against the
+    target's logits [k + 1, V] at the k + 1 positions they were computed at (row j: the distribution of
+    the token after j drafts; `rows[j]` its controls, with the drafts before it counted as outputs).
+
+    Returns the accepted drafts and one more token (the target's at the first rejection, or a bonus
+    token after all k): 1 .. k + 1 tokens. Greedy rows accept a draft while it is the argmax, so the
+    output is the non-speculative greedy output. Sampled rows accept draft d with probability p(d) and
+    on a rejection draw from p with d removed (renormalised): speculative sampling's rule for a proposal
+    that puts all its mass on d, which leaves every emitted token distributed as p."""
+    k = len(drafts)
+    controlled = [j for j, r in enumerate(rows) if r.controlled]
+    processed = logits
+    if controlled:
+        processed = logits.clone()
+        for j in controlled:
+            apply_controls(processed[j], rows[j])
+    spec, gen = rows[0].spec, rows[0].generator
+    tokens: list[int] = []
+    if spec.greedy:
+        best = processed.argmax(dim=-1).tolist()
+        for j in range(k + 1):
+            tokens.append(best[j])
+            if j == k or best[j] != drafts[j]:
+                break
+    else:
+        for j in range(k + 1):
+            probs = target_probs(processed[j], spec, gen)
+            if j < k:
+                u = float(torch.rand((), generator=gen, device=probs.device))
+                if u < float(probs[drafts[j]]):
+                    tokens.append(drafts[j])
+                    continue
+                probs = probs.clone()
+                probs[drafts[j]] = 0.0
+                if float(probs.sum()) <= 0.0:  # p(d) was 1 up to rounding: d is all there is
+                    tokens.append(drafts[j])
+                    continue
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            break
+    out = [Sampled(t) for t in tokens]
+    if spec.logprobs is not None:
+        found = token_logprobs(logits, range(len(tokens)), tokens, [spec.logprobs] * len(tokens))
+        for sampled, lp in zip(out, found, strict=True):
+            sampled.logprob = lp
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvferry.router.directory import Directory
 from kvferry.router.prefix_routing import REASONS, Choice
@@ -211,7 +211,17 @@ class ClusterCollector:
             "Fraction of a pool node's slots held (leased or private; evictable ones count as free).",
             labels=["model_name", "node"],
         )
-        totals = {"running": 0, "waiting": 0}
+        drafts = CounterMetricFamily(
+            "kvferry:spec_decode_num_draft_tokens",
+            "Draft tokens the decode workers verified (speculative decoding), since each worker started.",
+            labels=["model_name"],
+        )
+        accepted = CounterMetricFamily(
+            "kvferry:spec_decode_num_accepted_tokens",
+            "Draft tokens the target model accepted; over the draft tokens: the acceptance rate.",
+            labels=["model_name"],
+        )
+        totals = {"running": 0, "waiting": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         for role, members in d.members.items():
             for member_id, member in list(members.items()):
                 beat = member.beat
@@ -223,8 +233,10 @@ class ClusterCollector:
                     usage.add_metric([name, role, member_id], used)
         running.add_metric([name], totals["running"])
         waiting.add_metric([name], totals["waiting"])
+        drafts.add_metric([name], totals["spec_draft_tokens"])
+        accepted.add_metric([name], totals["spec_accepted_tokens"])
         for node_id, node in list(d.pool_nodes.items()):
             slots = int(node.beat.get("num_slots", 0))
             if slots:
                 slab.add_metric([name, node_id], 1.0 - int(node.beat.get("free_slots", 0)) / slots)
-        return [running, waiting, usage, slab]
+        return [running, waiting, usage, slab, drafts, accepted]

@@ -111,6 +111,9 @@ class EngineWorker:
             "running": kv["running"],
             "free_blocks": kv["free_blocks"],
             "total_blocks": kv["total_blocks"],
+            # speculative decoding since start: draft tokens verified, and those accepted
+            "spec_draft_tokens": self.engine.spec_proposed,
+            "spec_accepted_tokens": self.engine.spec_accepted,
         }
 
     def new_request(self, request, params, what: str, matcher=None) -> Request:

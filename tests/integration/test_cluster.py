@@ -304,3 +304,35 @@ def test_stream_interval_sends_tokens_in_groups(redis_server, tiny_model_dir, tm
             # the prefill's token; the decode's first; then `interval` at a time; the rest, finished
             assert got.messages <= 1 + 1 + -(-(tokens - 2) // interval) + 1, got.messages
             assert got.messages < tokens // 2
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_speculative_decoding_gives_the_offline_greedy_tokens(
+    redis_server, tiny_model_dir, tmp_path, engine, colocated
+):
+    """Decode workers with n-gram speculation (`kvferry up --speculative-config`'s path): the greedy
+    tokens of the offline engine without it, for prompts whose continuation repeats what came before
+    (drafts accepted) and for plain ones."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    cfg = make_cluster_config(
+        tiny_model_dir, redis_server.url, f"test-spec-{colocated}", colocated=colocated
+    ).with_overrides(speculative_config=spec)
+    assert all(g.engine["speculative_config"] == spec for g in cfg.groups("decode"))
+    bases = [random_prompt(700 + s, n) for s, n in enumerate((12, 30))]
+    prompts = bases + [b + offline(engine, b, max_tokens=24) + b for b in bases]
+    with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as client:
+        for i, ids in enumerate(prompts):
+            got = client.generate(greedy(ids, max_tokens=24), timeout=60)
+            assert got.token_ids == offline(engine, ids, max_tokens=24)
+            assert got.finished.output_tokens == 24
+            if i >= len(bases):  # accepted drafts: a decode step streams several tokens in one message
+                assert got.messages < 16, got.messages
+
+        def rates():  # from the decode workers' heartbeats, as the router's /metrics reports them
+            return [
+                metric(cluster, f"kvferry:spec_decode_num_{k}_tokens_total") for k in ("draft", "accepted")
+            ]
+
+        wait_for(lambda: rates()[1] > 0, 15, "acceptance in /metrics")
+        drafts, accepted = rates()
+        assert 0 < accepted <= drafts

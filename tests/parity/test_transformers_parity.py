@@ -196,3 +196,28 @@ def test_repetition_penalty_matches_transformers_generate(checkpoint, prompts, h
     done = engine.generate([{"prompt_token_ids": p, "params": params} for p in prompts[:3]])
     want = hf_greedy(checkpoint, prompts[:3], 16, repetition_penalty=1.8)
     assert [c.output_token_ids for c in done] == want
+
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"kernels": "torch"},
+        {"max_num_batched_tokens": 7},  # drafts cut to the budget, shared with prefill chunks
+        {"num_kv_blocks": 16, "enable_prefix_caching": False},  # preemptions: drafts never cause one
+    ],
+    ids=["auto", "torch", "small-budget", "preempting"],
+)
+def test_speculative_ngram_greedy_matches_transformers(checkpoint, prompts, reference, hf_greedy, overrides):
+    """n-gram speculative decoding gives the non-speculative greedy tokens (transformers'), with drafts
+    proposed and accepted; prompts that repeat themselves are added so proposals come often."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4096
+    loops = [(torch.randint(3, vocab, (n,), generator=gen).tolist() * 4)[: 3 * n + 2] for n in (3, 5, 7)]
+    want = reference + hf_greedy(checkpoint, loops, NEW_TOKENS)
+    engine = make_engine(checkpoint, speculative_config=NGRAM, **overrides)
+    assert run_all(engine, prompts + loops) == want
+    assert engine.spec_proposed > 0 and 0 < engine.spec_accepted <= engine.spec_proposed

@@ -1,0 +1,100 @@
+"""Speculative decoding: proposals for a request's next tokens, verified in one forward pass.
+
+`--speculative-config` takes vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K,
+"prompt_lookup_max": N, "prompt_lookup_min": M}`. Before each step the engine asks the proposer for up to
+K tokens for every request in steady decode; the scheduler computes the request's last token and its
+drafts as one row of K + 1 tokens, the model runner samples at each of those positions and
+`model.sampler.speculative_sample` keeps the drafts the target agrees with plus one token of its own
+(greedy: exactly the non-speculative output; sampled: the target's distribution, by rejection). KV
+written for rejected drafts lies past the request's computed tokens and is overwritten later.
+
+The n-gram proposer is prompt lookup: the longest suffix of the request's tokens (prompt and output, N
+down to M tokens) that occurred before, and the K tokens that followed its latest earlier occurrence.
+Code, logs and edits repeat themselves, so the proposals cost nothing but a search.
+
+Requests with a structured output or asking for prompt logprobs decode one token per step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+METHODS = ("ngram",)
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config that cannot work (the message says which key)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        """vLLM's JSON (or a dict of it); None or an empty text: no speculation."""
+        if text is None or text == "" or text == {}:
+            return None
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as err:
+            raise SpeculativeConfigError(f"speculative_config is not JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise SpeculativeConfigError("speculative_config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: "
+                f"{', '.join(sorted(known))}; a draft model is not implemented yet)"
+            )
+        cfg = cls(**raw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise SpeculativeConfigError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise SpeculativeConfigError(
+                    f"speculative_config.{name} must be an integer >= 1, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeConfigError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+class NgramProposer:
+    def __init__(self, cfg: SpeculativeConfig):
+        self.k = cfg.num_speculative_tokens
+        self.max_n = cfg.prompt_lookup_max
+        self.min_n = cfg.prompt_lookup_min
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(K, limit) tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` (max_n down to min_n long); [] when no suffix recurs."""
+        k = min(self.k, limit)
+        if k <= 0 or len(tokens) <= self.min_n:
+            return []
+        seq = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. len - n - 1: every earlier occurrence, not the suffix itself
+            windows = sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return seq[start : start + k].tolist()
+        return []
