@@ -64,7 +64,9 @@ class ModelRunner:
         """Compute every scheduled token; sample for the requests whose last token was computed (and
         score the prompt tokens of the requests that ask for prompt logprobs). A decode with drafts
         (`req.spec_tokens`) gets a list: the drafts the target accepted and one token of its own."""
-        work = sorted(batch.work, key=lambda item: item[1] != 1)  # single-token rows first
+        # decode rows first: single tokens, and the tokens of a decode with drafts (each attends like a
+        # decode of its own position: the K/V of the drafts before it are written first, in each layer)
+        work = sorted(batch.work, key=lambda item: item[1] != 1 and not item[0].spec_tokens)
         step = StepInputs()
         sampled_reqs = []
         scored: list[tuple[Request, int, int]] = []  # (request, first position, count): prompt logprobs
@@ -83,9 +85,9 @@ class ModelRunner:
                 req.block_ids[p // bs] if p >= cached else self.sink_block for p in range(start, start + n)
             ]
             step.slot_offsets += [p % bs for p in range(start, start + n)]
-            if n == 1:
-                step.decode_tables.append(req.block_ids)
-                step.decode_lens.append(start + 1)
+            if n == 1 or drafts:
+                step.decode_tables += [req.block_ids] * n
+                step.decode_lens += range(start + 1, start + n + 1)
             else:
                 step.prefills.append((row, n, start + n, req.block_ids))
             if drafts:  # logits at the last token and after each draft
@@ -148,11 +150,12 @@ class ModelRunner:
     def _sample_row(req: Request, drafts: Sequence[int] = ()) -> SampleRow:
         """`drafts`: the sampled position follows these draft tokens (they count as outputs)."""
         params = req.params
+        penalized = params.spec.penalized  # the prompt and outputs matter to the penalties only
         return SampleRow(
             params.spec,
             req.generator,
-            prompt=req.prompt_token_ids[: req.num_prompt_tokens - req.output_offset],
-            outputs=[*req.generated, *drafts] if params.spec.penalized else (),
+            prompt=req.prompt_token_ids[: req.num_prompt_tokens - req.output_offset] if penalized else (),
+            outputs=[*req.generated, *drafts] if penalized else (),
             banned=req.banned_until_min
             if len(req.output_token_ids) + len(drafts) < params.min_tokens
             else (),

@@ -9,7 +9,8 @@ drafts as one row of K + 1 tokens, the model runner samples at each of those pos
 written for rejected drafts lies past the request's computed tokens and is overwritten later.
 
 The n-gram proposer is prompt lookup: the longest suffix of the request's tokens (prompt and output, N
-down to M tokens) that occurred before, and the K tokens that followed its latest earlier occurrence.
+down to M tokens) that occurred before, and the K tokens that followed its latest earlier occurrence
+(the latest with K tokens after it, in a loop shorter than K).
 Code, logs and edits repeat themselves, so the proposals cost nothing but a search.
 
 Requests with a structured output or asking for prompt logprobs decode one token per step.
@@ -21,7 +22,6 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 METHODS = ("ngram",)
 
@@ -85,16 +85,21 @@ class NgramProposer:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(K, limit) tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` (max_n down to min_n long); [] when no suffix recurs."""
+        of `tokens` (max_n down to min_n long) that is followed by that many (else the latest); [] when
+        no suffix recurs."""
         k = min(self.k, limit)
         if k <= 0 or len(tokens) <= self.min_n:
             return []
         seq = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. len - n - 1: every earlier occurrence, not the suffix itself
-            windows = sliding_window_view(seq[:-1], n)
-            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+        size = len(seq)
+        # where an earlier occurrence of a suffix can end: the positions before the last holding its token
+        ends = np.flatnonzero(seq[:-1] == seq[-1])
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):  # the rest of the suffix, token by token
+                hits = hits[seq[hits - back] == seq[size - 1 - back]]
+            if hits.size:  # hits: where occurrences end; their continuations start one after
+                whole = hits[hits + 1 + k <= size]  # occurrences followed by k tokens, if any
+                start = int(whole[-1] if whole.size else hits[-1]) + 1
                 return seq[start : start + k].tolist()
         return []

@@ -161,14 +161,20 @@ def target_probs(processed: torch.Tensor, spec: SamplingSpec, gen: torch.Generat
     return probs
 
 
+def controlled_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Steps 2-3 on the rows that ask for them (a copy), or `logits` itself when none does."""
+    controlled = [i for i, r in enumerate(rows) if r.controlled]
+    if not controlled:
+        return logits
+    processed = logits.clone()
+    for i in controlled:
+        apply_controls(processed[i], rows[i])
+    return processed
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
     """logits: [N, V] float32, one row per SampleRow. Returns one Sampled per row."""
-    controlled = [i for i, r in enumerate(rows) if r.controlled]
-    processed = logits
-    if controlled:
-        processed = logits.clone()
-        for i in controlled:
-            apply_controls(processed[i], rows[i])
+    processed = controlled_logits(logits, rows)
     greedy = processed.argmax(dim=-1).tolist()
     tokens = []
     for i, row in enumerate(rows):
@@ -202,12 +208,7 @@ def speculative_sample(
     on a rejection draw from p with d removed (renormalised): speculative sampling's rule for a proposal
     that puts all its mass on d, which leaves every emitted token distributed as p."""
     k = len(drafts)
-    controlled = [j for j, r in enumerate(rows) if r.controlled]
-    processed = logits
-    if controlled:
-        processed = logits.clone()
-        for j in controlled:
-            apply_controls(processed[j], rows[j])
+    processed = controlled_logits(logits, rows)
     spec, gen = rows[0].spec, rows[0].generator
     tokens: list[int] = []
     if spec.greedy:

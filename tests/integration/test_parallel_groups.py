@@ -10,7 +10,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import Members, wait_for
+from cluster_helpers import Members, metric, wait_for
 from conftest import ENGINE, make_cluster_config
 from test_cluster import greedy, random_prompt
 
@@ -144,20 +144,27 @@ def test_greedy_parity(
             members.close()
 
 
-def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_factory, prompts, reference):
-    """Prefill groups TP=2 and TP=1, decode groups EP=2 and EP=1, serving the same requests."""
+def test_mixed_degrees_in_one_cluster(
+    redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, hf_greedy
+):
+    """Prefill groups TP=2 and TP=1, decode groups EP=2 and EP=1 with n-gram speculative decoding (an
+    EP group's ranks step in lock-step with drafts in their batches), serving the same requests; the
+    looped prompts (a prompt, its continuation, the prompt again) make drafts that are accepted."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}'
+    looped = [p + r + p for p, r in zip(prompts[:4], reference[:4], strict=True)]
+    looped_reference = hf_greedy(tiny_model_dir, looped, NEW_TOKENS)
     with start(
         redis_server,
         tiny_model_dir,
         tmp_path_factory,
         "mixed",
         (group(tensor_parallel_size=2), group()),
-        (group(expert_parallel_size=2), group()),
+        (group(expert_parallel_size=2, speculative_config=ngram), group(speculative_config=ngram)),
     ) as cluster:
         assert cluster.cfg.members("decode") == 3
         for round_ in range(2):  # twice: every group serves some of them
-            got = run_all(cluster.router_addr, prompts)
-            for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+            got = run_all(cluster.router_addr, prompts + looped)
+            for i, (tokens, ref) in enumerate(zip(got, reference + looped_reference, strict=True)):
                 assert tokens == ref, f"prompt {i} differs in the mixed cluster (round {round_})"
         members = Members(cluster)
         try:
@@ -165,6 +172,11 @@ def test_mixed_degrees_in_one_cluster(redis_server, tiny_model_dir, tmp_path_fac
             assert all(s.requests > 0 for s in members.stats("decode").values())
             degrees = sorted(s.tensor_parallel_size for s in members.stats("prefill").values())
             assert degrees == [1, 2]
+            wait_for(
+                lambda: metric(cluster, "kvferry:spec_decode_num_draft_tokens_total") > 0,
+                15,
+                "drafts verified",
+            )
         finally:
             members.close()
 

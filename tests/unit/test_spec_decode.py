@@ -41,6 +41,38 @@ def test_ngram_proposer_takes_the_longest_suffix_latest_occurrence():
     assert propose([5, 6, 7, 1, 2, 9, 1, 2], limit=1) == [9]
     assert propose([5, 6, 7, 1, 2, 9, 1, 2], limit=0) == []
     assert propose([1, 2, 3, 4, 5, 6], limit=5) == []
+    # a loop shorter than K: the latest occurrence with K tokens after it, not the one just before
+    pairs = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)).propose
+    assert pairs([7, 1, 2, 1, 2, 1, 2], limit=5) == [1, 2, 1]
+    assert pairs([7, 1, 2, 9, 1, 2], limit=5) == [9, 1, 2]
+
+
+def test_ngram_proposer_equals_a_plain_search_on_random_sequences():
+    def plain(tokens, k, max_n, min_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+            if starts:
+                whole = [i for i in starts if i + n + k <= len(tokens)]
+                at = (whole or starts)[-1] + n
+                return tokens[at : at + k]
+        return []
+
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(300):
+        size, alphabet = (
+            int(torch.randint(1, 40, (1,), generator=gen)),
+            int(torch.randint(2, 6, (1,), generator=gen)),
+        )
+        tokens = torch.randint(0, alphabet, (size,), generator=gen).tolist()
+        k, max_n = (
+            int(torch.randint(1, 5, (1,), generator=gen)),
+            int(torch.randint(1, 5, (1,), generator=gen)),
+        )
+        min_n = int(torch.randint(1, max_n + 1, (1,), generator=gen))
+        proposer = NgramProposer(
+            SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=max_n, prompt_lookup_min=min_n)
+        )
+        assert proposer.propose(tokens, limit=k) == plain(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
 
 
 def test_greedy_verification_keeps_the_agreeing_prefix_and_the_argmax_after():
