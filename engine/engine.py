@@ -72,8 +72,9 @@ class EngineConfig:
     # message carries whatever is left): fewer messages for the router to relay (vLLM's and SGLang's
     # --stream-interval), in bursts for the client
     stream_interval: int = 1
-    # speculative decoding, vLLM's --speculative-config JSON (engine.spec_decode); None: off
-    speculative_config: str | None = None
+    # speculative decoding, vLLM's --speculative-config JSON, or its mapping from a cluster file
+    # (engine.spec_decode); None: off
+    speculative_config: str | dict | None = None
 
     def validate(self) -> None:
         for name in (

@@ -32,6 +32,20 @@ def test_config_takes_vllms_json_and_names_what_is_wrong():
             EngineConfig(speculative_config=text).validate()
 
 
+def test_the_flag_travels_to_the_workers_as_json():
+    """`kvferry up` spells a group's EngineConfig back into worker flags; a cluster file may give the
+    config as a mapping."""
+    import argparse
+
+    from kvferry.engine.args import add_engine_args, engine_config_from, engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for given in ({"method": "ngram", "num_speculative_tokens": 2}, NGRAM):
+        back = engine_config_from(parser.parse_args(engine_flags(EngineConfig(speculative_config=given))))
+        assert SpeculativeConfig.parse(back.speculative_config) == SpeculativeConfig.parse(given)
+
+
 def test_ngram_proposer_takes_the_longest_suffix_latest_occurrence():
     propose = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)).propose
     #             0  1  2  3  4  5  6  7  8  9 10 11
