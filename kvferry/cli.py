@@ -202,7 +202,11 @@ def _cmd_eval(args) -> int:
 
     engine = LLMEngine(engine_config_from(args))
     tokens = heldout_tokens(engine, args.max_eval_tokens, args.split)
-    result = perplexity(engine, tokens, args.context, progress=True)
+    try:
+        result = perplexity(engine, tokens, args.context, progress=True)
+    except ValueError as err:  # --context out of range, or nothing to score
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 2
     info = {"model": args.model, "split": args.split, "dtype": str(engine.dtype).removeprefix("torch.")}
     print(json.dumps({**info, "kernels": engine.kernel_backend, **result}))
     return 0

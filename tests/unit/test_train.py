@@ -89,3 +89,10 @@ def test_eval_perplexity_is_the_reference_nll(tiny_model_dir, hf_log_softmax):
     assert result["perplexity"] == pytest.approx(math.exp(nll / 97), rel=1e-3)
     with pytest.raises(ValueError, match="context must be in"):
         perplexity(engine, tokens, context=1)
+
+
+def test_eval_command_names_a_bad_context(tiny_model_dir, capsys):
+    from kvferry.cli import main
+
+    assert main(["eval", "--model", str(tiny_model_dir), "--context", "1", "--max-eval-tokens", "64"]) == 2
+    assert "context must be in [2, " in capsys.readouterr().err
