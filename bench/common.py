@@ -54,7 +54,7 @@ def remove_worktree(where: Path) -> None:
 def reported_cpu_flags() -> list[str]:
     """The flags that decide which kernels serve (what a benchmark's figures must be read against)."""
     have = cpu_flags()
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in have]
 
 
 def bench_model_dir(model: str = "bench") -> Path:
@@ -181,3 +181,21 @@ def stop_up(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def full_batch_step_ms(engine, requests) -> float:
+    """Add `requests` ((SamplingParams, prompt ids) pairs) to an idle engine, run them to the end, and return
+    the median time of the steps in which every one of them decodes one token."""
+    import statistics
+
+    for params, prompt in requests:
+        engine.add_request(params=params, prompt_token_ids=prompt)
+    batch, times = len(requests), []
+    while engine.has_unfinished():
+        full = engine.kv.load()["running"] == batch
+        t = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t
+        if full and len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs):
+            times.append(elapsed * 1e3)
+    return statistics.median(times)

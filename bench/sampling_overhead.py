@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, print_result, reported_cpu_flags
+from common import bench_model_dir, full_batch_step_ms, print_result, reported_cpu_flags
 
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
@@ -57,20 +55,14 @@ def decode_step_ms(engine: LLMEngine, batch: int, tokens: int, settings: dict, s
     """Median time of the steps in which every request of the batch decodes."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.cfg.vocab_size
-    for i in range(batch):
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=seed * 1000 + i, **settings)
-        engine.add_request(
-            params=params, prompt_token_ids=torch.randint(10, vocab, (64,), generator=gen).tolist()
+    requests = [
+        (
+            SamplingParams(max_tokens=tokens, ignore_eos=True, seed=seed * 1000 + i, **settings),
+            torch.randint(10, vocab, (64,), generator=gen).tolist(),
         )
-    times = []
-    while engine.has_unfinished():
-        full = engine.kv.load()["running"] == batch
-        t = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - t
-        if full and len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs):
-            times.append(elapsed * 1e3)
-    return statistics.median(times)
+        for i in range(batch)
+    ]
+    return full_batch_step_ms(engine, requests)
 
 
 def main() -> int:

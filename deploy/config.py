@@ -160,7 +160,8 @@ _TOP_OVERRIDES = {
     "internal_tls",
 }
 INTERNAL_TLS = ("auto", "on", "off")
-ENGINE_OVERRIDES = ("max_num_seqs", "max_model_len", "enable_prefix_caching")  # `kvferry up` flags
+# `kvferry up` flags
+ENGINE_OVERRIDES = ("max_num_seqs", "max_model_len", "enable_prefix_caching", "quantization")
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 

@@ -8,6 +8,7 @@ import json
 from dataclasses import fields
 
 from kvferry.engine.engine import KERNEL_CHOICES, EngineConfig
+from kvferry.model.quant import QUANTIZATION_CHOICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.stream_interval,
         help="decode workers: stream a request's tokens this many per message after its first (fewer "
         "messages for the router; the client gets them in bursts)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATION_CHOICES,
+        help="int8: attention and expert weights int8 per output channel, activations int8 per token "
+        "(W8A8, dynamic; C++ kernels with AVX512-VNNI or AVX2 on CPU, Triton on CUDA)",
     )
     p.add_argument(
         "--speculative-config",

@@ -42,6 +42,7 @@ from kvferry.model.config import (
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.parallel import Parallel
+from kvferry.model.quant import QuantizationError, check_quantization
 from kvferry.model.sampler import Sampled
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
@@ -75,6 +76,8 @@ class EngineConfig:
     # speculative decoding, vLLM's --speculative-config JSON, or its mapping from a cluster file
     # (engine.spec_decode); None: off
     speculative_config: str | dict | None = None
+    # weight quantization, vLLM's --quantization: None (the dtype's GEMMs) or "int8" (W8A8, model/quant.py)
+    quantization: str | None = None
 
     def validate(self) -> None:
         for name in (
@@ -99,6 +102,10 @@ class EngineConfig:
             )
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        try:
+            check_quantization(self.quantization)
+        except QuantizationError as err:
+            raise EngineConfigError(str(err)) from None
         try:
             SpeculativeConfig.parse(self.speculative_config)
         except (SpeculativeConfigError, TypeError) as err:
@@ -147,11 +154,20 @@ class LLMEngine:
             self.kernel_backend = choose(self.device, self.dtype, cfg.kernels)
         except KernelsUnavailable as err:
             raise EngineConfigError(str(err)) from err
-        if self.kernel_backend == "cpu" and not self.model.pack_weights():
+        self.quantization = check_quantization(cfg.quantization)
+        if self.kernel_backend == "cpu" and not self.model.pack_weights(self.quantization):
             self.kernel_backend = "torch"  # the C++ kernels did not build here
         elif self.kernel_backend == "triton":
             self.model.use_triton()
-        log.info("kernels: %s (%s, %s)", self.kernel_backend, self.device, self.dtype)
+        if self.quantization and self.kernel_backend != "cpu":
+            self.model.quantize_weights()  # int8 for linear()'s Triton / torch W8A8
+        log.info(
+            "kernels: %s (%s, %s%s)",
+            self.kernel_backend,
+            self.device,
+            self.dtype,
+            f", {self.quantization} weights" if self.quantization else "",
+        )
         self.kv_dtype = self.model.embed.dtype  # == kv_cache_dtype(...): float32 under the kernels
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
@@ -169,6 +185,8 @@ class LLMEngine:
         self.checkpoint_id = checkpoint_digest(self.model_dir)
         # the KV's numerics: the model's dtype, and the cache's where it differs (bf16 matmuls, float32 KV)
         numerics = str(self.dtype) if self.kv_dtype == self.dtype else f"{self.dtype}/kv-{self.kv_dtype}"
+        if self.quantization:  # int8 weights make other KV: their blocks never mix with the dtype's
+            numerics += f"/w-{self.quantization}"
         fingerprint = model_fingerprint(self.checkpoint_id, numerics)
         self.fingerprint = fingerprint
         self.block_manager = BlockManager(num_blocks, cfg.block_size, fingerprint, cfg.enable_prefix_caching)

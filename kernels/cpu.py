@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -23,12 +24,18 @@ from kvferry.settings import load_settings
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = (SOURCE_DIR / "kvferry_cpu.cpp", SOURCE_DIR / "prefill_attention.cpp")
-HEADERS = (SOURCE_DIR / "vec_math.h",)
+HEADERS = (SOURCE_DIR / "vec_math.h", SOURCE_DIR / "int8_gemm.h")
 # -fopenmp: at::parallel_for is header code that runs serially without it; the libgomp.so.1 it binds to at
 # load time is the one torch already loaded (same soname), so there is one OpenMP thread pool
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 # CPUs with AVX512-BF16 (Zen 4+, Cooper Lake, Sapphire Rapids+) also get the bf16 dot-product GEMM
 BF16_DOT_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DKVFERRY_AVX512BF16"]
+# CPUs with AVX512-VNNI (Cascade Lake+, Zen 4+) run `--quantization int8` with vpdpbusd; others with AVX2
+INT8_DOT_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DKVFERRY_AVX512VNNI"]
+# KVFERRY_CPU_ISA=avx2 makes kvferry see this CPU as AVX2-only (no AVX-512 or AMX flags): the kernels' AVX2
+# build, float32 by default. With ATen's ATEN_CPU_CAPABILITY=avx2 it is how the benchmarks stand in for an
+# AVX2-only host on an AVX-512 one.
+ISA_ENV = "KVFERRY_CPU_ISA"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 log = logging.getLogger(__name__)
@@ -41,15 +48,26 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    found = frozenset(line.partition(":")[2].split())
+    isa = os.environ.get(ISA_ENV, "").lower()
+    if isa == "avx2":
+        return frozenset(f for f in found if not f.startswith(("avx512", "amx", "avx_vnni")))
+    if isa not in ("", "native"):
+        raise ValueError(f"{ISA_ENV}={isa!r}: use avx2 or native")
+    return found
 
 
 def has_avx512_bf16() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
+def has_avx512_vnni() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
+
+
 def flags() -> list[str]:
-    return BASE_FLAGS + (BF16_DOT_FLAGS if has_avx512_bf16() else [])
+    extra = (BF16_DOT_FLAGS if has_avx512_bf16() else []) + (INT8_DOT_FLAGS if has_avx512_vnni() else [])
+    return BASE_FLAGS + list(dict.fromkeys(extra))
 
 
 def supported() -> bool:
@@ -103,6 +121,20 @@ def ops():
 def bf16_dot() -> bool:
     """The loaded kernels multiply bf16 weights with bf16-rounded activations (the AVX512-BF16 build)."""
     return load() and ops().has_bf16_dot()
+
+
+def int8_dot() -> bool:
+    """The loaded kernels' int8 GEMM uses vpdpbusd (the AVX512-VNNI build); False: its AVX2 loop."""
+    return load() and ops().has_int8_dot()
+
+
+def isa() -> str:
+    """The instruction sets the kernels were built for, for logs and benchmark lines."""
+    return "+".join(
+        ["avx2"]
+        + (["avx512_bf16"] if has_avx512_bf16() else [])
+        + (["avx512_vnni"] if has_avx512_vnni() else [])
+    )
 
 
 def prefill_attention() -> bool:

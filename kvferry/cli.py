@@ -208,7 +208,8 @@ def _cmd_eval(args) -> int:
         print(f"kvferry: error: {err}", file=sys.stderr)
         return 2
     info = {"model": args.model, "split": args.split, "dtype": str(engine.dtype).removeprefix("torch.")}
-    print(json.dumps({**info, "kernels": engine.kernel_backend, **result}))
+    quant = {"quantization": engine.quantization} if engine.quantization else {}
+    print(json.dumps({**info, "kernels": engine.kernel_backend, **quant, **result}))
     return 0
 
 
@@ -402,6 +403,12 @@ def _up_parser(sub) -> None:
         help="the workers' prefix caches (default on)",
     )
     up.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: every worker's attention and expert weights in int8, activations per token (W8A8)",
+    )
+    up.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding on the decode workers (and colocated ones), vLLM's JSON: "
@@ -478,6 +485,7 @@ def _cmd_up(args) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
+        quantization=args.quantization,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

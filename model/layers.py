@@ -10,24 +10,60 @@ import torch
 from torch import nn
 
 from kvferry.kernels.cpu import ops as cpu_ops
+from kvferry.model import quant
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ an input-major weight: plain [K, N], or packed by `pack` (it carries `.out_features`)."""
+    """x [M, K] @ an input-major weight: plain [K, N], packed by `pack` (it carries `.out_features`), or
+    int8 with channel scales (`.int8_scale`, `quantize`: W8A8 by Triton where it runs, else torch)."""
     n = getattr(w, "out_features", None)
-    if n is None:
-        return x @ w
-    return cpu_ops().packed_linear(x, w, n)
+    if n is not None:
+        return cpu_ops().packed_linear(x, w, n)
+    scale = getattr(w, "int8_scale", None)
+    if scale is not None:
+        return int8_linear(x, w, scale)
+    return x @ w
 
 
-def pack(w: torch.Tensor, bf16_dot: bool = False) -> nn.Parameter:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ int8 q [K, N] with channel scales, activations quantized per row (model/quant.py)."""
+    from kvferry.kernels.select import triton_runs_on
+
+    if triton_runs_on(x.device):
+        from kvferry.kernels import triton_w8a8
+
+        return triton_w8a8.w8a8_linear(x, q, scale)
+    return quant.w8a8_linear(x, q, scale)
+
+
+def quantize(w: torch.Tensor) -> nn.Parameter:
+    """An input-major weight [..., K, N] -> int8 [..., K, N] carrying `.int8_scale` [..., N] (torch and
+    Triton paths; the CPU kernels pack theirs with `pack(..., int8=True)`)."""
+    q, scale = quant.quantize_weight(w)
+    param = nn.Parameter(q, requires_grad=False)
+    param.int8_scale = scale.to(w.device)
+    return param
+
+
+def pack(w: torch.Tensor, bf16_dot: bool = False, int8: bool = False) -> nn.Parameter:
     """[K, N] -> the CPU kernels' [ceil(N/16), K, 16] layout (stacks [E, K, N] pack per expert).
 
     A float32 weight whose values are all bfloat16 numbers (any bf16 checkpoint) is stored as bf16:
     the kernels widen it exactly, so the products are the same and the step reads half the bytes.
     `bf16_dot` (kernels built with AVX512-BF16, even K): the weight is rounded to bf16 and packed in k
     pairs, [ceil(N/16), K/2, 32], and the GEMM rounds the activations to bf16 too (bf16 compute).
+    `int8` (K a multiple of 4): per-channel int8 with the scales in the packing (`quant.py`, W8A8).
     """
+    if int8 and w.shape[-2] % 4 == 0:
+        q, scale = quant.quantize_weight(w)
+        pack_i8 = cpu_ops().pack_weight_int8
+        if w.dim() == 2:
+            packed = pack_i8(q, scale)
+        else:
+            packed = torch.stack([pack_i8(qe, se) for qe, se in zip(q, scale, strict=True)])
+        param = nn.Parameter(packed, requires_grad=False)
+        param.out_features = w.shape[-1]
+        return param
     if bf16_dot and w.shape[-2] % 2 == 0:
         pack_one = cpu_ops().pack_weight_bf16_pairs
     else:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.kernels.cpu import ops as cpu_ops
-from kvferry.model.layers import linear
+from kvferry.model.layers import int8_linear, linear
 from kvferry.model.parallel import Comm, expert_owner, expert_range
 
 
@@ -67,6 +67,7 @@ def experts_forward(
     """
     if hasattr(w13, "out_features"):
         return cpu_ops().moe_experts(x, ids, weights, w13, w2, first_expert)
+    int8 = hasattr(w13, "int8_scale")  # `--quantization int8` off the CPU kernels: W8A8 per expert, looped
     num_local, top_k = w13.shape[0], ids.shape[1]
     local = ids.flatten() - first_expert
     order = torch.argsort(local, stable=True)
@@ -77,7 +78,7 @@ def experts_forward(
         return torch.zeros_like(x)
     sel = order[begin : begin + num_sel]  # local assignments, grouped by expert
     token, scale = sel // top_k, weights.flatten()[sel, None]
-    if x.shape[0] <= PADDED_MAX_TOKENS and width * num_local <= 2 * sel.numel():
+    if not int8 and x.shape[0] <= PADDED_MAX_TOKENS and width * num_local <= 2 * sel.numel():
         y = _padded_experts(x[token], local[sel], counts, width, w13, w2)
     else:
         y = _looped_experts(x[token], counts.tolist(), w13, w2)
@@ -99,7 +100,12 @@ def _looped_experts(xs: torch.Tensor, counts: list[int], w13, w2) -> torch.Tenso
     outputs, start = [], 0
     for expert, count in enumerate(counts):
         if count:
-            outputs.append(silu_and_mul(xs[start : start + count] @ w13[expert]) @ w2[expert])
+            rows = xs[start : start + count]
+            if hasattr(w13, "int8_scale"):
+                h = int8_linear(rows, w13[expert], w13.int8_scale[expert])
+                outputs.append(int8_linear(silu_and_mul(h), w2[expert], w2.int8_scale[expert]))
+            else:
+                outputs.append(silu_and_mul(rows @ w13[expert]) @ w2[expert])
             start += count
     return torch.cat(outputs) if outputs else xs
 
@@ -117,7 +123,7 @@ class SparseMoeBlock(nn.Module):
         self.triton = False  # the Triton kernels: routing, then the fused grouped GEMMs (`use_triton`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
+        if self.triton and not hasattr(self.w13, "int8_scale"):  # int8 experts: experts_forward's W8A8
             from kvferry.kernels import triton_moe
 
             weights, ids = triton_route(x, self.router, self.top_k, self.renormalize)
@@ -213,7 +219,7 @@ def dispatch_combine(
         recv_ids, recv_weights = recv_meta[:, :top_k].long(), recv_meta[:, top_k:].to(x.dtype)
     first = first_expert
     started = time.perf_counter()
-    if triton:
+    if triton and not hasattr(w13, "int8_scale"):
         from kvferry.kernels import triton_moe
 
         partial = triton_moe.fused_moe(recv_x, recv_ids, recv_weights, w13, w2, first)

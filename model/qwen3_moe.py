@@ -11,7 +11,7 @@ from torch import nn
 from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
-from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, rms_norm
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, quantize, rms_norm
 from kvferry.model.moe import DenseMLP, ExpertParallelMoe, SparseMoeBlock
 from kvferry.model.parallel import Parallel, TPShard
 
@@ -186,7 +186,7 @@ class Qwen3MoeModel(nn.Module):
             return local
         return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, quantization: str | None = None) -> bool:
         """Switch to the C++ CPU kernels where they build: weights are repacked in place, so this is
         one-way. Returns whether the kernels now serve this model.
 
@@ -194,6 +194,8 @@ class Qwen3MoeModel(nn.Module):
         where the kernels have it (AVX512-BF16): matmul weights and inputs in bf16, float32 accumulation,
         and everything else (residual stream, norms, attention, KV cache) in float32, so the model's
         remaining tensors are widened to float32 (exactly). Elsewhere a bf16 model keeps the torch ops.
+        `quantization="int8"`: the attention and MLP / expert GEMMs run W8A8 (`quant.py`) whatever the
+        dtype; the LM head keeps the dtype's GEMM.
         """
         from kvferry.kernels import cpu
 
@@ -204,17 +206,29 @@ class Qwen3MoeModel(nn.Module):
         if not cpu.load() or (dtype == torch.bfloat16 and not cpu.bf16_dot()):
             return False
         bf16_dot = dtype == torch.bfloat16
+        int8 = quantization == "int8"
         for module in self.modules():
             packed = getattr(module, "PACKED", ())
             for name, param in module.named_parameters(recurse=False):
                 if name in packed:
-                    setattr(module, name, pack(param, bf16_dot))
+                    setattr(module, name, pack(param, bf16_dot, int8=int8 and module is not self))
                 elif param.dtype != torch.float32:
                     setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = True
         self.decode_weights = self._collect_decode_weights()
         return True
+
+    def quantize_weights(self) -> None:
+        """`--quantization int8` where the CPU kernels do not serve (torch ops, Triton): the attention and
+        MLP / expert weights become int8 with channel scales (`layers.quantize`), used W8A8 by `linear` and
+        the experts. The LM head keeps the model's dtype."""
+        for module in self.modules():
+            if module is self:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if name in getattr(module, "PACKED", ()) and param.shape[-2] % 4 == 0:
+                    setattr(module, name, quantize(param))
 
     def use_triton(self) -> None:
         """Switch attention and the MoE layers to the Triton kernels (`kernels.select`: on CUDA, or on

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "int8_gemm.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -252,26 +253,49 @@ void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t*
 
 #endif
 
-bool is_bf16_pairs(const at::Tensor& w) { return w.size(-1) == 2 * NB; }
+bool is_int8(const at::Tensor& w) { return w.scalar_type() == at::kChar; }
 
-// K of a packed weight (for bf16 pairs: K rounded up to even)
-int64_t packed_k(const at::Tensor& w) { return is_bf16_pairs(w) ? 2 * w.size(-2) : w.size(-2); }
+bool is_bf16_pairs(const at::Tensor& w) { return !is_int8(w) && w.size(-1) == 2 * NB; }
+
+// K of a packed weight (for bf16 pairs: K rounded up to even; int8: the rows before the scales, 4 k each)
+int64_t packed_k(const at::Tensor& w) {
+  if (is_int8(w)) return 4 * (w.size(-2) - 2);
+  return is_bf16_pairs(w) ? 2 * w.size(-2) : w.size(-2);
+}
 
 // Where a packed weight's data starts (`expert`: that expert of a packed stack [E, ...]) and how it is stored;
 // the one place that tells the layouts apart.
 struct Packed {
   const void* data;
-  bool pairs, bf16;
+  bool pairs, bf16, i8;
   explicit Packed(const at::Tensor& w, int64_t expert = 0)
       : data(static_cast<const char*>(w.data_ptr()) + expert * w.stride(0) * w.element_size()),
         pairs(is_bf16_pairs(w)),
-        bf16(w.scalar_type() == at::kBFloat16) {}
+        bf16(w.scalar_type() == at::kBFloat16),
+        i8(is_int8(w)) {}
 };
 
-// column blocks [b0, b1) of out [M, N] (row stride ldo) = input [M, K] @ w; serial. The input is x
-// (float32, row stride ldx), or for bf16-pair weights its bf16 copy xb (row stride K, K even)
-void gemm_blocks(const Packed& w, const float* x, int64_t ldx, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
-                 float* out, int64_t ldo, int64_t b0, int64_t b1) {
+// An input prepared for a packed weight's layout: float32 rows x (row stride ldx); their bf16 copy xb for
+// bf16-pair weights (row stride K, K even); their int8 rows xq with per-row scales xs for int8 weights
+// (row stride K).
+struct Rows {
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const uint16_t* xb = nullptr;
+  const kvferry_cpu::act_t* xq = nullptr;
+  const float* xs = nullptr;
+  Rows offset(int64_t r, int64_t K) const {  // the rows from row r on
+    return {x ? x + r * ldx : nullptr, ldx, xb ? xb + r * K : nullptr, xq ? xq + r * K : nullptr, xs ? xs + r : nullptr};
+  }
+};
+
+// column blocks [b0, b1) of out [M, N] (row stride ldo) = input [M, K] @ w; serial
+void gemm_blocks(const Packed& w, const Rows& in, int64_t M, int64_t K, int64_t N, float* out, int64_t ldo, int64_t b0,
+                 int64_t b1) {
+  const float* x = in.x;
+  const int64_t ldx = in.ldx;
+  const uint16_t* xb = in.xb;
+  if (w.i8) return kvferry_cpu::gemm_i8_blocks(in.xq, in.xs, K, M, static_cast<const int8_t*>(w.data), N, out, ldo, b0, b1);
   if (w.pairs) {
 #ifdef KVFERRY_AVX512BF16
     return gemm_bf16_blocks(xb, K, M, static_cast<const uint16_t*>(w.data), N, out, ldo, b0, b1);
@@ -292,11 +316,15 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& w
   const Packed w(weight);
   const int64_t Kp = packed_k(weight);
   std::vector<uint16_t> xb(w.pairs ? M * Kp : 0);
+  std::vector<kvferry_cpu::act_t> xq(w.i8 ? M * K : 0);
+  std::vector<float> xs(w.i8 ? M : 0);
 #ifdef KVFERRY_AVX512BF16
   if (w.pairs) to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
 #endif
+  if (w.i8) kvferry_cpu::quantize_rows(x, ldx, M, K, xq.data(), xs.data());
+  const Rows in{x, ldx, xb.data(), xq.data(), xs.data()};
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    gemm_blocks(w, x, ldx, xb.data(), M, w.pairs ? Kp : K, N, out, ldo, b0, b1);
+    gemm_blocks(w, in, M, w.pairs ? Kp : K, N, out, ldo, b0, b1);
   });
 }
 
@@ -511,12 +539,13 @@ float rms_scale(const float* x, int64_t n, double eps) {
 // x [M, K] @ packed [nblocks, K, 16] (float32 or bfloat16) -> [M, n]
 at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
   check_f32(x_, "x");
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || is_int8(w),
+              "w must be float32, bfloat16 or int8");
   auto x = x_.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const bool pairs = w.dim() == 3 && is_bf16_pairs(w);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == (pairs ? (K + 1) / 2 : K) && (pairs || w.size(2) == NB) &&
-                  w.size(0) * NB >= n,
+  const bool pairs = w.dim() == 3 && is_bf16_pairs(w), i8 = is_int8(w);
+  const int64_t rows = i8 ? K / 4 + 2 : (pairs ? (K + 1) / 2 : K), width = i8 ? 4 * NB : (pairs ? 2 * NB : NB);
+  TORCH_CHECK(w.dim() == 3 && (!i8 || K % 4 == 0) && w.size(1) == rows && w.size(2) == width && w.size(0) * NB >= n,
               "packed weight shape");
   auto out = at::empty({M, n}, x.options());
   if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w, n, out.data_ptr<float>(), n);
@@ -538,6 +567,42 @@ at::Tensor pack_weight_bf16_pairs(const at::Tensor& w) {
   padded.narrow(0, 0, K).narrow(1, 0, N).copy_(w);
   // [Kp/2, 2, nblocks, 16] -> [nblocks, Kp/2, 16, 2]
   return padded.view({Kp / 2, 2, nblocks, NB}).permute({2, 0, 3, 1}).contiguous().view({nblocks, Kp / 2, 2 * NB});
+}
+
+// int8 q [K, N] (K a multiple of 4, values in [-127, 127]) and float32 channel scales [N] -> the int8 packing
+// [ceil(N/16), K/4 + 2, 64] of int8_gemm.h (block rows of 4 k x 16 columns, then scales, then 128 * sum_k q)
+at::Tensor pack_weight_int8(const at::Tensor& q_, const at::Tensor& scale_) {
+  TORCH_CHECK(q_.scalar_type() == at::kChar && q_.dim() == 2, "q must be int8 [K, N]");
+  const int64_t K = q_.size(0), N = q_.size(1), nblocks = (N + NB - 1) / NB;
+  TORCH_CHECK(K % 4 == 0, "int8 packing needs K a multiple of 4, got ", K);
+  TORCH_CHECK(scale_.numel() == N, "scale must have N = ", N, " entries");
+  auto q = q_.contiguous();
+  auto scale = scale_.to(at::kFloat).contiguous();
+  auto padded = at::zeros({K, nblocks * NB}, q.options());
+  padded.narrow(1, 0, N).copy_(q);
+  // [K/4, 4, nblocks, 16] -> [nblocks, K/4, 16, 4]
+  auto body = padded.view({K / 4, 4, nblocks, NB}).permute({2, 0, 3, 1}).contiguous().view({nblocks, K / 4, 4 * NB});
+  auto out = at::empty({nblocks, K / 4 + 2, 4 * NB}, q.options());
+  out.narrow(1, 0, K / 4).copy_(body);
+  auto comp = at::zeros({nblocks * NB}, q.options().dtype(at::kInt));
+  comp.narrow(0, 0, N).copy_(q.to(at::kInt).sum(0).mul_(128));
+  auto scales = at::zeros({nblocks * NB}, scale.options());
+  scales.narrow(0, 0, N).copy_(scale);
+  int8_t* op = out.data_ptr<int8_t>();
+  const int64_t block = (K / 4 + 2) * 4 * NB;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    std::memcpy(op + b * block + K * NB, scales.data_ptr<float>() + b * NB, NB * sizeof(float));
+    std::memcpy(op + b * block + K * NB + 64, comp.data_ptr<int32_t>() + b * NB, NB * sizeof(int32_t));
+  }
+  return out;
+}
+
+bool has_int8_dot() {  // which int8 inner loop this build has: true for vpdpbusd (AVX512-VNNI), false for AVX2
+#ifdef KVFERRY_AVX512VNNI
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool has_bf16_dot() {
@@ -721,7 +786,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 // microseconds when threads sleep between regions), so a layer must not pay four per expert.
 at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
                      const at::Tensor& w2, int64_t first_expert) {
-  const bool pairs = is_bf16_pairs(w2);  // the pairs layout is only made for even K, so K == Kp here
+  // the pairs layout is only made for even K and int8 for K a multiple of 4, so K == Kp here
+  const bool pairs = is_bf16_pairs(w2), i8 = is_int8(w2);
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0), I = packed_k(w2);
   auto out = at::zeros({T, H}, x.options());
   const int64_t *idp = ids.data_ptr<int64_t>();
@@ -746,21 +812,19 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     if (start[e + 1] > start[e]) active.push_back(e);
   const int64_t nact = active.size();
   auto opts = x.options();
-  // gathered rows: float32, or their bf16 copies for pair-packed weights
-  std::vector<float> xs(pairs ? 0 : total * H);
+  // gathered rows: float32, or their bf16 copies for pair-packed weights, or their int8 rows and scales
+  std::vector<float> xs(pairs || i8 ? 0 : total * H), xsc(i8 ? total : 0), hsc(i8 ? total : 0);
   std::vector<uint16_t> xb(pairs ? total * H : 0), hb(pairs ? total * I : 0);
+  std::vector<kvferry_cpu::act_t> xq(i8 ? total * H : 0), hq(i8 ? total * I : 0);
   auto h13 = at::empty({total, 2 * I}, opts), y = at::empty({total, H}, opts);
   const float* xp = x.data_ptr<float>();
   float *xsp = xs.data(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
 
-  // column blocks [b0, b1) of expert e's GEMM over its rows start[e]..: float32 input `in` (row stride ld),
-  // or its bf16 copy `inb` (row stride K) for pair-packed weights
-  auto expert_gemm = [&](const at::Tensor& w, int64_t e, const float* in, int64_t ld, const uint16_t* inb, int64_t K,
-                         int64_t N, float* dst, int64_t b0, int64_t b1) {
+  // column blocks [b0, b1) of expert e's GEMM over its rows start[e]..
+  auto expert_gemm = [&](const at::Tensor& w, int64_t e, const Rows& in, int64_t K, int64_t N, float* dst, int64_t b0,
+                         int64_t b1) {
     const int64_t r0 = start[e];
-    const Packed pw(w, e);
-    gemm_blocks(pw, pw.pairs ? nullptr : in + r0 * ld, ld, pw.pairs ? inb + r0 * K : nullptr, start[e + 1] - r0, K, N,
-                dst + r0 * N, N, b0, b1);
+    gemm_blocks(Packed(w, e), in.offset(r0, K), start[e + 1] - r0, K, N, dst + r0 * N, N, b0, b1);
   };
   // work items: (expert, group of 4 column blocks), experts interleaved so that threads get all of them
   auto over_experts = [&](int64_t N, auto&& fn) {
@@ -781,11 +845,15 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
         continue;
       }
 #endif
+      if (i8) {
+        xsc[r] = kvferry_cpu::quantize_row(xp + token_of[r] * H, H, xq.data() + r * H);
+        continue;
+      }
       std::copy_n(xp + token_of[r] * H, H, xsp + r * H);
     }
   });
   over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) {
-    expert_gemm(w13, e, xsp, H, xb.data(), H, 2 * I, hp, b0, b1);
+    expert_gemm(w13, e, Rows{xsp, H, xb.data(), xq.data(), xsc.data()}, H, 2 * I, hp, b0, b1);
   });
   at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -793,11 +861,12 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
 #ifdef KVFERRY_AVX512BF16
       if (pairs) row_to_bf16(hp + r * 2 * I, I, hb.data() + r * I, I);
 #endif
+      if (i8) hsc[r] = kvferry_cpu::quantize_row(hp + r * 2 * I, I, hq.data() + r * I);
     }
   });
-  // the down projection reads the SiLU*up half of h13 in place (row stride 2I), or its bf16 copy
+  // the down projection reads the SiLU*up half of h13 in place (row stride 2I), or its bf16 / int8 copy
   over_experts(H, [&](int64_t e, int64_t b0, int64_t b1) {
-    expert_gemm(w2, e, hp, 2 * I, hb.data(), I, H, yp, b0, b1);
+    expert_gemm(w2, e, Rows{hp, 2 * I, hb.data(), hq.data(), hsc.data()}, I, H, yp, b0, b1);
   });
   const float* wtp = weights.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
@@ -881,6 +950,8 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_bf16_pairs(Tensor w) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("pack_weight_int8(Tensor q, Tensor scale) -> Tensor");
+  m.def("has_int8_dot() -> bool", &has_int8_dot);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def(
@@ -900,6 +971,7 @@ TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_weight", &pack_weight);
   m.impl("pack_weight_bf16_pairs", &pack_weight_bf16_pairs);
+  m.impl("pack_weight_int8", &pack_weight_int8);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qk_norm_rope_store", &qk_norm_rope_store);

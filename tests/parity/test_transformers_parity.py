@@ -221,3 +221,17 @@ def test_speculative_ngram_greedy_matches_transformers(checkpoint, prompts, refe
     engine = make_engine(checkpoint, speculative_config=NGRAM, **overrides)
     assert run_all(engine, prompts + loops) == want
     assert engine.spec_proposed > 0 and 0 < engine.spec_accepted <= engine.spec_proposed
+
+
+def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts):
+    """`--quantization int8`: the C++ kernels (VNNI or AVX2 int8 loop) and the torch W8A8 reference give the
+    same greedy tokens, batched, chunked and after prefix hits; the KV fingerprint keeps int8 apart."""
+    from kvferry.kernels import cpu
+
+    outputs = []
+    for kernels in ("auto", "torch"):
+        engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7, quantization="int8")
+        assert engine.cpu_kernels == (kernels == "auto" and cpu.load())
+        outputs.append(run_all(engine, prompts, stagger=3))
+    assert outputs[0] == outputs[1]
+    assert engine.fingerprint != make_engine(checkpoint, kernels="torch").fingerprint

@@ -266,6 +266,7 @@ def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(ti
 
 def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path):
     from kvferry.deploy.local import router_argv
+    from kvferry.engine.args import engine_flags
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.3}')
     cfg = ClusterConfig().with_overrides(
@@ -276,11 +277,14 @@ def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path)
         max_num_seqs=7,
         max_model_len=512,
         enable_prefix_caching=False,
+        quantization="int8",
     )
     cfg.validate()
     for role in ("prefill", "decode"):
         engine = cfg.engine_config(role, 0)
         assert (engine.max_num_seqs, engine.max_model_len, engine.enable_prefix_caching) == (7, 512, False)
+        assert engine.quantization == "int8"  # prefill and decode alike: their KV must be the same numerics
+        assert engine_flags(engine)[engine_flags(engine).index("--quantization") + 1] == "int8"
     argv = router_argv(cfg, "tiny", "127.0.0.1", 1, 2)
     assert argv[argv.index("--served-model-name") + 1] == "first" and argv.count("--served-model-name") == 2
     assert argv[argv.index("--generation-config") + 1] == str(tmp_path)

@@ -1,0 +1,241 @@
+// int8 GEMM for `--quantization int8` (W8A8, dynamic): weights int8 per output channel, activations int8 per
+// row (token), quantized here at each call; int32 accumulation; out = acc * (row scale * channel scale).
+//
+// Packed weight: int8 [ceil(N/16), K/4 + 2, 64] for K a multiple of 4. Row p < K/4 of block b holds
+// w[4p + j, 16b + c] at byte 4c + j (four k of one column side by side: what one 32-bit lane of vpdpbusd or
+// vpmaddubsw multiplies); row K/4 holds the block's 16 float32 channel scales, row K/4 + 1 its 16 int32
+// compensations 128 * sum_k w[k, col] (the VNNI path's unsigned offset, below). Padding columns are zero.
+//
+// Activations: q = round_half_even(x * (127 / amax(|x row|))) in [-127, 127], scale amax / 127 (0 for a zero
+// row). Two inner loops, chosen at build time:
+// - AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, so rows are stored as q + 128 (u8) and the
+//   compensation row takes 128 * sum w back out: 64 multiply-adds per instruction.
+// - AVX2: vpmaddubsw with |q| and the weights given q's sign (vpsignb), then vpmaddwd by ones: |q| <= 127 and
+//   |w| <= 127, so the 16-bit pair sums (<= 32258) never saturate and the result is exact. (Widening both to
+//   int16 for vpmaddwd measured slower; vpmaddubsw on q + 128 would be faster but can saturate.)
+// Both sum exact integers, so every build gives the same bits; the torch reference (model/quant.py) too.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvferry_cpu {
+
+constexpr int64_t I8_NB = 16;  // columns per packed block
+
+#ifdef KVFERRY_AVX512VNNI
+using act_t = uint8_t;  // rows are stored as q + 128 for vpdpbusd (unsigned x signed)
+constexpr int32_t I8_OFFSET = 128;
+#else
+using act_t = int8_t;
+constexpr int32_t I8_OFFSET = 0;
+#endif
+
+// bytes of one packed block: K/4 rows of 64 weights, then 64 bytes of scales and 64 of compensations
+inline int64_t i8_block_bytes(int64_t K) { return K * I8_NB + 128; }
+
+// one row of float32 -> int8 (+ I8_OFFSET), stored as act_t; returns the row's scale
+inline float quantize_row(const float* x, int64_t K, act_t* q) {
+  __m256 peak = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, peak);
+  float amax = *std::max_element(lanes, lanes + 8);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  k = 0;
+  for (; k + 8 <= K; k += 8) {
+    // cvtps rounds half to even (the default MXCSR mode), like torch.round
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+    alignas(32) int32_t ints[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), v);
+    for (int i = 0; i < 8; ++i) q[k + i] = static_cast<act_t>(ints[i] + I8_OFFSET);
+  }
+  for (; k < K; ++k) q[k] = static_cast<act_t>(static_cast<int32_t>(std::nearbyint(x[k] * inv)) + I8_OFFSET);
+  return amax / 127.f;
+}
+
+// x [M, K] (row stride ldx) -> q [M, K] and scales [M]
+inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, act_t* q, float* scales) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) scales[m] = quantize_row(x + m * ldx, K, q + m * K);
+  });
+}
+
+#ifdef KVFERRY_AVX512VNNI
+// out[r, 16c : 16c + 16] for r < R, c < C: the C blocks follow each other from w (stride i8_block_bytes)
+template <int R, int C>
+inline void tile_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out, int64_t ldo,
+                    int64_t N) {
+  __m512i acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xq);
+  const int64_t quads = K / 4, stride = i8_block_bytes(K);
+  for (int64_t p = 0; p < quads; ++p) {
+    __m512i wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + p * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(xp[r * quads + p]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int8_t* tail = w + c * stride + K * I8_NB;
+    const __m512 sw = _mm512_loadu_ps(reinterpret_cast<const float*>(tail));
+    const __m512i comp = _mm512_loadu_si512(tail + 64);
+    const int64_t ncols = std::min<int64_t>(I8_NB, N - c * I8_NB);
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], comp));
+      _mm512_mask_storeu_ps(out + r * ldo + c * I8_NB, mask, _mm512_mul_ps(v, _mm512_mul_ps(sw, _mm512_set1_ps(xs[r]))));
+    }
+  }
+}
+
+template <int R>
+void few_rows_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w, int64_t N, float* out, int64_t ldo,
+                 int64_t b0, int64_t b1) {
+  constexpr int C = R <= 4 ? 4 : 2;
+  const int64_t block = i8_block_bytes(K);
+  int64_t j = b0;
+  for (; j + C <= b1; j += C) tile_i8<R, C>(xq, xs, K, w + j * block, out + j * I8_NB, ldo, N - j * I8_NB);
+  for (; j < b1; ++j) tile_i8<R, 1>(xq, xs, K, w + j * block, out + j * I8_NB, ldo, N - j * I8_NB);
+}
+
+constexpr int I8_MB = 8;  // rows per tile past 8 rows: 8 x 2 accumulators
+
+inline void tile_rows_i8(int64_t rows, const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out,
+                         int64_t ldo, int64_t N) {
+  switch (rows) {
+    case 1: return tile_i8<1, 2>(xq, xs, K, w, out, ldo, N);
+    case 2: return tile_i8<2, 2>(xq, xs, K, w, out, ldo, N);
+    case 3: return tile_i8<3, 2>(xq, xs, K, w, out, ldo, N);
+    case 4: return tile_i8<4, 2>(xq, xs, K, w, out, ldo, N);
+    case 5: return tile_i8<5, 2>(xq, xs, K, w, out, ldo, N);
+    case 6: return tile_i8<6, 2>(xq, xs, K, w, out, ldo, N);
+    case 7: return tile_i8<7, 2>(xq, xs, K, w, out, ldo, N);
+    default: return tile_i8<I8_MB, 2>(xq, xs, K, w, out, ldo, N);
+  }
+}
+
+// column blocks [b0, b1) of out [M, N] = rows xq [M, K] @ w; serial. Past 8 rows: tiles of 8 rows x 2 blocks
+// (32 columns), all row tiles over a pair of blocks while it sits in L1.
+inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t M, const int8_t* w, int64_t N,
+                           float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  switch (M) {
+    case 1: return few_rows_i8<1>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 2: return few_rows_i8<2>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 3: return few_rows_i8<3>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 4: return few_rows_i8<4>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 5: return few_rows_i8<5>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 6: return few_rows_i8<6>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 7: return few_rows_i8<7>(xq, xs, K, w, N, out, ldo, b0, b1);
+    case 8: return few_rows_i8<8>(xq, xs, K, w, N, out, ldo, b0, b1);
+    default: break;
+  }
+  const int64_t block = i8_block_bytes(K);
+  int64_t j = b0;
+  for (; j + 2 <= b1; j += 2)
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MB)
+      tile_rows_i8(std::min<int64_t>(I8_MB, M - m0), xq + m0 * K, xs + m0, K, w + j * block,
+                   out + m0 * ldo + j * I8_NB, ldo, N - j * I8_NB);
+  for (; j < b1; ++j)
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+      const int64_t rows = std::min<int64_t>(I8_MB, M - m0);
+      const act_t* xr = xq + m0 * K;
+      float* o = out + m0 * ldo + j * I8_NB;
+      const int8_t* wb = w + j * block;
+      const int64_t n = N - j * I8_NB;
+      switch (rows) {  // one block: C = 1
+        case 1: tile_i8<1, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 2: tile_i8<2, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 3: tile_i8<3, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 4: tile_i8<4, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 5: tile_i8<5, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 6: tile_i8<6, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        case 7: tile_i8<7, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+        default: tile_i8<8, 1>(xr, xs + m0, K, wb, o, ldo, n); break;
+      }
+    }
+}
+
+#else  // AVX2
+
+// out[r, 0:16] for r < R over one block: each 64-byte row of the block is two halves of 8 columns
+template <int R>
+inline void tile_i8_avx2(const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out, int64_t ldo,
+                         int64_t ncols) {
+  __m256i lo[R], hi[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xq);
+  const int64_t quads = K / 4;
+  for (int64_t p = 0; p < quads; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(xp[r * quads + p]);
+      const __m256i ax = _mm256_abs_epi8(xv);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+    }
+  }
+  const float* sw = reinterpret_cast<const float*>(w + K * I8_NB);
+  const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 sx = _mm256_set1_ps(xs[r]);
+    const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(s0, sx));
+    const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(s1, sx));
+    float* o = out + r * ldo;
+    if (ncols == I8_NB) {
+      _mm256_storeu_ps(o, a);
+      _mm256_storeu_ps(o + 8, b);
+    } else {
+      alignas(32) float buf[I8_NB];
+      _mm256_store_ps(buf, a);
+      _mm256_store_ps(buf + 8, b);
+      std::copy(buf, buf + ncols, o);
+    }
+  }
+}
+
+inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t M, const int8_t* w, int64_t N,
+                           float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  const int64_t block = i8_block_bytes(K);
+  for (int64_t j = b0; j < b1; ++j) {
+    const int64_t ncols = std::min<int64_t>(I8_NB, N - j * I8_NB);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const act_t* xr = xq + m0 * K;
+      float* o = out + m0 * ldo + j * I8_NB;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: tile_i8_avx2<1>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
+        case 2: tile_i8_avx2<2>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
+        case 3: tile_i8_avx2<3>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
+        default: tile_i8_avx2<4>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace kvferry_cpu

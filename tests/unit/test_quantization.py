@@ -1,0 +1,119 @@
+"""int8 weights (`--quantization int8`, W8A8): quantizers, the C++ int8 GEMM against the torch reference
+(bit for bit), experts, the AVX2 build, and the flag's validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.engine.engine import EngineConfig, EngineConfigError
+from kvferry.kernels import cpu
+from kvferry.model import quant
+from kvferry.model.layers import linear, pack, quantize
+from kvferry.model.moe import experts_forward
+
+GEN = torch.Generator().manual_seed(0)
+needs_kernels = pytest.mark.skipif(not cpu.load(), reason="the CPU kernels do not build or run here")
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=GEN)
+
+
+def test_quantize_weight_per_channel():
+    w = randn(64, 10)
+    w[:, 3] = 0  # an all-zero channel: scale 0, q 0, no division by zero
+    q, scale = quant.quantize_weight(w)
+    assert q.dtype == torch.int8 and scale.shape == (10,)
+    assert q.abs().max() == 127 and int(q[:, 3].abs().max()) == 0 and scale[3] == 0
+    assert (q.abs().amax(0)[[0, 1, 2, 4]] == 127).all()  # each channel's largest weight maps to +-127
+    err = (q.float() * scale - w).abs()
+    assert (err <= scale / 2 + 1e-7).all()  # round to nearest
+
+
+def test_quantize_rows_and_reference():
+    x = randn(5, 32)
+    x[2] = 0
+    q, s = quant.quantize_rows(x)
+    assert s[2] == 0 and int(q[2].abs().max()) == 0 and int(q.abs().max()) == 127
+    w = randn(32, 24)
+    out = quant.w8a8_linear(x, *quant.quantize_weight(w))
+    assert (out[2] == 0).all()
+    rel = (out - x @ w).norm() / (x @ w).norm()
+    assert rel < 0.03  # 8-bit both sides: about 1% error
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 8, 9, 13, 40])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (256, 100)])
+def test_int8_packed_linear_is_the_reference_bit_for_bit(m, k, n):
+    x, w = randn(m, k), randn(k, n)
+    packed = pack(w, int8=True)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k // 4 + 2, 64)
+    assert torch.equal(linear(x, packed), quant.w8a8_linear(x, *quant.quantize_weight(w)))
+
+
+@needs_kernels
+def test_int8_needs_k_multiple_of_4():
+    w = randn(30, 16)
+    assert pack(w, int8=True).dtype != torch.int8  # K = 30: kept in the dtype's packing
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_int8_experts_match_the_torch_path(tokens):
+    x = randn(tokens, 64)
+    w13, w2 = randn(4, 64, 96) * 0.1, randn(4, 48, 64) * 0.1
+    ids = torch.stack([torch.randperm(4, generator=GEN)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=GEN)
+    kernel = experts_forward(x, ids, weights, pack(w13, int8=True), pack(w2, int8=True), 1)
+    ref = experts_forward(x, ids, weights, quantize(w13), quantize(w2), 1)  # experts 1..4: ids 0 skipped
+    torch.testing.assert_close(kernel, ref, rtol=1e-5, atol=1e-5)
+    exact = experts_forward(x, ids, weights, w13, w2, 1)
+    assert (kernel - exact).norm() / exact.norm() < 0.05
+
+
+AVX2_CHECK = """
+import torch
+from kvferry.kernels import cpu
+from kvferry.model import quant
+from kvferry.model.layers import linear, pack
+assert cpu.load() and not cpu.int8_dot() and not cpu.bf16_dot(), cpu.isa()
+g = torch.Generator().manual_seed(1)
+for m, k, n in [(1, 64, 48), (7, 96, 40), (40, 512, 100)]:
+    x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    ref = quant.w8a8_linear(x, *quant.quantize_weight(w))
+    assert torch.equal(linear(x, pack(w, int8=True)), ref), (m, k, n)
+print("avx2 int8 ok")
+"""
+
+
+@pytest.mark.slow  # builds the AVX2-only variant of the kernels (~20 s, once per cache)
+@needs_kernels
+def test_int8_avx2_loop_is_the_reference_bit_for_bit():
+    """The AVX2 int8 loop (vpmaddubsw, for CPUs without AVX512-VNNI), built here by seeing the CPU as AVX2."""
+    env = {**os.environ, cpu.ISA_ENV: "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "avx2 int8 ok" in done.stdout
+
+
+def test_isa_env_hides_avx512(monkeypatch):
+    monkeypatch.setenv(cpu.ISA_ENV, "avx2")
+    assert not any(f.startswith(("avx512", "amx")) for f in cpu.cpu_flags())
+    monkeypatch.setenv(cpu.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="KVFERRY_CPU_ISA"):
+        cpu.cpu_flags()
+
+
+def test_quantization_flag_is_checked():
+    EngineConfig(quantization="int8").validate()
+    EngineConfig(quantization=None).validate()
+    with pytest.raises(EngineConfigError, match="--quantization 'fp4' is not supported"):
+        EngineConfig(quantization="fp4").validate()
