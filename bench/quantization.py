@@ -1,8 +1,10 @@
 """int8 weights (`--quantization int8`) against the default dtype, in the same run: the prefill of a
-256-token prompt and a decode step at batch 1 and 16, on the bench model through the engine.
+256-token prompt and a decode step at batch 1 and 16, on the bench model through the engine; and with an
+int8 KV cache too (`--kv-cache-dtype int8`), with the bytes the pool holds for one prompt's KV.
 
-Two engines on one process (the dtype `auto` picks: bfloat16 where the CPU has AVX512-BF16, else float32;
-and the same with int8 weights), settings interleaved over --rounds, best of each. The prefill is one
+Three engines on one process (the dtype `auto` picks: bfloat16 where the CPU has AVX512-BF16, else
+float32; the same with int8 weights; and with int8 weights and KV), settings interleaved over --rounds,
+best of each. The prefill is one
 engine step on a fresh 256-token prompt (no prefix hit: every prompt is new); a decode step is a step in
 which every request of the batch decodes one token.
 
@@ -31,6 +33,7 @@ from common import bench_model_dir, full_batch_step_ms, print_result, reported_c
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.kernels import cpu
+from kvferry.kvpool.transfer import BlockLayout
 
 
 def prefill_ms(engine: LLMEngine, prompt_len: int, gen: torch.Generator) -> float:
@@ -53,9 +56,14 @@ def decode_step_ms(engine: LLMEngine, batch: int, tokens: int, gen: torch.Genera
 
 def measure(args) -> dict:
     model = str(bench_model_dir(args.model))
+    settings = (("default", None, "auto"), ("int8", "int8", "auto"), ("int8_kv_int8", "int8", "int8"))
     engines = {
-        name: LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_model_len=1024, quantization=quant))
-        for name, quant in (("default", None), ("int8", "int8"))
+        name: LLMEngine(
+            EngineConfig(
+                model=model, dtype=args.dtype, max_model_len=1024, quantization=quant, kv_cache_dtype=kv
+            )
+        )
+        for name, quant, kv in settings
     }
     gen = torch.Generator().manual_seed(0)
     results: dict[str, dict[str, list[float]]] = {
@@ -92,6 +100,12 @@ def measure(args) -> dict:
         "decode_1_speedup": round(best["default"]["decode_1"] / best["int8"]["decode_1"], 3),
         "decode_16_speedup": round(best["default"]["decode_16"] / best["int8"]["decode_16"], 3),
         "target_prefill_speedup": 1.6,
+        # what the pool stores (and a decode worker pulls) for one prompt's KV: its blocks in the layout
+        "pool_bytes_per_prompt": {
+            name: -(-args.prompt_len // e.cfg.block_size)
+            * BlockLayout.for_model(e.model.cfg, e.cfg.block_size, e.kv_dtype).block_bytes
+            for name, e in engines.items()
+        },
     }
 
 

@@ -161,7 +161,13 @@ _TOP_OVERRIDES = {
 }
 INTERNAL_TLS = ("auto", "on", "off")
 # `kvferry up` flags
-ENGINE_OVERRIDES = ("max_num_seqs", "max_model_len", "enable_prefix_caching", "quantization")
+ENGINE_OVERRIDES = (
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
+    "quantization",
+    "kv_cache_dtype",
+)
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 
@@ -525,7 +531,9 @@ def cluster_layout(
             device = torch.device(cfg.group_device(role, index, ray_gpus))
             dtype = resolve_dtype(engine.dtype, model_cfg, device)
             layout = BlockLayout.for_model(
-                model_cfg, engine.block_size, kv_cache_dtype(dtype, device, engine.kernels)
+                model_cfg,
+                engine.block_size,
+                kv_cache_dtype(dtype, device, engine.kernels, engine.kv_cache_dtype),
             )
             name = f"{role} group {index} (device {device})"
             if first is None:

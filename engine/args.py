@@ -7,7 +7,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from kvferry.engine.engine import KERNEL_CHOICES, EngineConfig
+from kvferry.engine.engine import KERNEL_CHOICES, KV_CACHE_DTYPES, EngineConfig
 from kvferry.model.quant import QUANTIZATION_CHOICES
 
 
@@ -61,6 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_CHOICES,
         help="int8: attention and expert weights int8 per output channel, activations int8 per token "
         "(W8A8, dynamic; C++ kernels with AVX512-VNNI or AVX2 on CPU, Triton on CUDA)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="int8: K/V rows int8 with a float32 scale each (a quarter of float32's bytes, in the cache, "
+        "the pool and on the wire); auto: the activations' dtype",
     )
     p.add_argument(
         "--speculative-config",

@@ -78,6 +78,10 @@ class EngineConfig:
     speculative_config: str | dict | None = None
     # weight quantization, vLLM's --quantization: None (the dtype's GEMMs) or "int8" (W8A8, model/quant.py)
     quantization: str | None = None
+    # the KV cache's dtype, vLLM's --kv-cache-dtype: auto (the model's activations: float32 under the CPU
+    # kernels) or int8 (per-row int8 with its float32 scale in the row, `kernels.int8`; the pool holds such
+    # blocks as they are)
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         for name in (
@@ -102,6 +106,11 @@ class EngineConfig:
             )
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fp8 = " (fp8 KV caches are not implemented: use int8)" if "fp8" in self.kv_cache_dtype else ""
+            raise EngineConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}{fp8}"
+            )
         try:
             check_quantization(self.quantization)
         except QuantizationError as err:
@@ -115,6 +124,9 @@ class EngineConfig:
                 "tensor_parallel_size and expert_parallel_size cannot both be > 1 in one group "
                 "(prefill groups are tensor-parallel, decode groups expert-parallel)"
             )
+
+
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class EngineConfigError(ValueError):
@@ -168,7 +180,10 @@ class LLMEngine:
             self.dtype,
             f", {self.quantization} weights" if self.quantization else "",
         )
-        self.kv_dtype = self.model.embed.dtype  # == kv_cache_dtype(...): float32 under the kernels
+        if cfg.kv_cache_dtype == "int8" and self.kernel_backend == "triton":
+            raise EngineConfigError("--kv-cache-dtype int8 runs on the CPU kernels or torch ops, not Triton")
+        # == model.config.kv_cache_dtype(...): float32 under the kernels, or int8
+        self.kv_dtype = torch.int8 if cfg.kv_cache_dtype == "int8" else self.model.embed.dtype
         tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.eos_ids = tuple(
             dict.fromkeys(model_cfg.eos_token_ids + generation_eos_ids(self.model_dir) + tokenizer_eos)
@@ -193,7 +208,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.block_manager
         )
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.device, self.kv_dtype)
         self.runner.eos_ids = self.eos_ids
         self._grammars: Grammars | None = None
         self.detokenize = detokenize

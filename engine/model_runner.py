@@ -10,6 +10,7 @@ import torch
 from kvferry.engine.request import Request
 from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.engine.structured import fill_mask, masks
+from kvferry.kernels.int8 import kv_row_width
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import Qwen3MoeModel
 from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample, token_logprobs
@@ -18,7 +19,8 @@ from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of this rank's cache (its KV heads only under tensor parallelism)."""
     cfg = model.cfg
-    return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * cfg.head_dim * dtype.itemsize
+    width = kv_row_width(cfg.head_dim, dtype)
+    return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * width * dtype.itemsize
 
 
 @dataclass
@@ -46,15 +48,24 @@ class ModelRunner:
     may be shared by other requests and published in the pool, and a recomputation in another batch
     shape need not give the same bits. Everything else in the sink is garbage nobody reads."""
 
-    def __init__(self, model: Qwen3MoeModel, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: Qwen3MoeModel,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+    ):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         self.sink_block = num_blocks
-        dtype = model.embed.dtype
+        dtype = kv_dtype or model.embed.dtype
         # [L, 2 (K/V), Hkv, num_blocks + 1 (the sink), block_size, D]: head-major for batched attention reads
-        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, cfg.head_dim)
+        # (an int8 cache: D + 4, each row's values and its scale)
+        width = kv_row_width(cfg.head_dim, dtype)
+        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, width)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.eos_ids: tuple[int, ...] = ()  # what a grammar in its error state allows (ends the request)
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass

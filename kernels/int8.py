@@ -14,3 +14,29 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
     return q, amax / 127.0
+
+
+# int8 KV cache (`--kv-cache-dtype int8`): each cached K or V row of one head is D int8 values followed by
+# its float32 scale (4 bytes), so a block carries its scales and the pool stores and ships them with it.
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one cached row of one head: D, or D + 4 bytes for the int8 cache."""
+    return head_dim + KV_SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., D] -> int8 rows [..., D + 4]: per-row symmetric int8 (`quantize_rows`), then the scale's
+    four bytes."""
+    shape = x.shape
+    q, scale = quantize_rows(x.reshape(-1, shape[-1]))
+    rows = torch.cat((q, scale.unsqueeze(-1).view(torch.int8)), dim=-1)
+    return rows.view(*shape[:-1], shape[-1] + KV_SCALE_BYTES)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 rows [..., D + 4] -> [..., D]: q * scale in float32 (as the C++ kernels compute it)."""
+    d = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :d].float() * scale).to(dtype)

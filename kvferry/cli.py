@@ -409,6 +409,12 @@ def _up_parser(sub) -> None:
         help="int8: every worker's attention and expert weights in int8, activations per token (W8A8)",
     )
     up.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "int8"],
+        help="int8: every worker's KV cache, and so the pool's blocks, in int8 with a scale per row",
+    )
+    up.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding on the decode workers (and colocated ones), vLLM's JSON: "
@@ -486,6 +492,7 @@ def _cmd_up(args) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         redis_url=args.redis_url,
         prefill_replicas=args.prefill_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

@@ -20,9 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvferry.kernels.int8 import kv_row_width
 from kvferry.kernels.select import triton_pack_ops
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -92,10 +93,10 @@ class BlockLayout:
     @classmethod
     def for_model(cls, model_cfg, block_size: int, kv_dtype: torch.dtype) -> BlockLayout:
         """The one derivation of a pool block's layout: the whole model's KV heads (a tensor-parallel
-        rank writes its slice of them) in the KV cache's dtype (`model.config.kv_cache_dtype`)."""
-        return cls(
-            model_cfg.num_layers, model_cfg.num_kv_heads, block_size, model_cfg.head_dim, dtype_name(kv_dtype)
-        )
+        rank writes its slice of them) in the KV cache's dtype (`model.config.kv_cache_dtype`); for an
+        int8 cache `head_dim` is a row's width, D + 4 (its values and scale, `kernels.int8`)."""
+        width = kv_row_width(model_cfg.head_dim, kv_dtype)
+        return cls(model_cfg.num_layers, model_cfg.num_kv_heads, block_size, width, dtype_name(kv_dtype))
 
 
 def make_pair_group(

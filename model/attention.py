@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from kvferry.kernels import cpu
 from kvferry.kernels.cpu import ops as cpu_ops
-from kvferry.kernels.paged_attention import block_rows, gather_rows, paged_decode_attention_reference
+from kvferry.kernels.int8 import quantize_kv
+from kvferry.kernels.paged_attention import block_rows, gather_kv, paged_decode_attention_reference
 
 
 @dataclass
@@ -68,7 +69,10 @@ class AttentionMetadata:
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """k, v: [T, Hkv, D] written into their slots of the [Hkv, num_blocks, block_size, D] caches."""
+    """k, v: [T, Hkv, D] written into their slots of the [Hkv, num_blocks, block_size, D] caches (int8
+    caches: rows of D + 4, quantized per row, `kernels.int8.quantize_kv`)."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
     v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
 
@@ -143,14 +147,17 @@ def _prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-    if chunk.context_len == chunk.q_len:  # nothing cached before this chunk: plain causal attention
+    if (
+        chunk.context_len == chunk.q_len and k_cache.dtype != torch.int8
+    ):  # nothing cached before: plain causal
+        # (an int8 cache is always read back, so every chunking attends over the same dequantized K/V)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask, causal = None, True
     else:
         rows = block_rows(k_cache, chunk.block_table)
-        hkv, d = k_cache.shape[0], k_cache.shape[-1]
-        keys = gather_rows(k_cache, rows).view(hkv, -1, d)[:, : chunk.context_len]  # [Hkv, S, D]
-        values = gather_rows(v_cache, rows).view(hkv, -1, d)[:, : chunk.context_len]
+        hkv, d = k_cache.shape[0], q.shape[-1]
+        keys = gather_kv(k_cache, rows, q.dtype).view(hkv, -1, d)[:, : chunk.context_len]  # [Hkv, S, D]
+        values = gather_kv(v_cache, rows, q.dtype).view(hkv, -1, d)[:, : chunk.context_len]
         first = chunk.context_len - chunk.q_len
         q_pos = torch.arange(first, chunk.context_len, device=q.device)
         mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= q_pos[:, None]

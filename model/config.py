@@ -178,7 +178,12 @@ def runs_cpu_kernels(dtype: torch.dtype, device: torch.device, kernels: str = "a
     return kernels == "auto" and choose(device, dtype, kernels) == "cpu"
 
 
-def kv_cache_dtype(dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> torch.dtype:
-    """The activations' and KV cache's dtype: float32 under the CPU kernels (a bf16 model there keeps
-    its residual stream and KV in float32), else the model's dtype. The pool's block layout uses it."""
+def kv_cache_dtype(
+    dtype: torch.dtype, device: torch.device, kernels: str = "auto", cache_dtype: str = "auto"
+) -> torch.dtype:
+    """The KV cache's dtype: int8 for `--kv-cache-dtype int8`; else the activations' dtype, float32 under
+    the CPU kernels (a bf16 model there keeps its residual stream and KV in float32), else the model's
+    dtype. The pool's block layout uses it."""
+    if cache_dtype == "int8":
+        return torch.int8
     return torch.float32 if runs_cpu_kernels(dtype, device, kernels) else dtype

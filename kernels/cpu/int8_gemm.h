@@ -238,4 +238,23 @@ inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t 
 
 #endif
 
+// int8 KV cache rows (`--kv-cache-dtype int8`): D int8 values, then the row's float32 scale (4 bytes), the
+// layout of kernels/int8.py's quantize_kv / dequantize_kv and with the same arithmetic.
+constexpr int64_t KV_SCALE_BYTES = 4;
+
+inline void quantize_kv_row(const float* x, int64_t D, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  const float scale = amax / 127.f;
+  std::memcpy(dst + D, &scale, sizeof(scale));
+}
+
+inline void dequantize_kv_row(const int8_t* src, int64_t D, float* dst) {
+  float scale;
+  std::memcpy(&scale, src + D, sizeof(scale));
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
 }  // namespace kvferry_cpu

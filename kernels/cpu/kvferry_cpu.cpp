@@ -659,20 +659,33 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
                               at::Tensor& v_cache, const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_,
                               int64_t num_heads) {
   check_f32(qkv_, "qkv");
-  check_f32(k_cache, "k_cache");
+  const bool i8 = k_cache.scalar_type() == at::kChar;  // int8 cache: rows of D values + a float32 scale
+  if (!i8) check_f32(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   auto qkv = qkv_.contiguous();
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
   auto slot_blocks = slot_blocks_.to(at::kLong).contiguous(), slot_offsets = slot_offsets_.to(at::kLong).contiguous();
   const int64_t T = qkv.size(0), hkv = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2),
-                D = k_cache.size(3), half = D / 2, width = qkv.size(1), heads = num_heads + hkv;
+                RW = k_cache.size(3), D = i8 ? RW - kvferry_cpu::KV_SCALE_BYTES : RW, half = D / 2,
+                width = qkv.size(1), heads = num_heads + hkv;
   TORCH_CHECK(width == (num_heads + 2 * hkv) * D, "qkv width does not match the heads");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D, "cos / sin must be [T, D]");
   auto qk = at::empty({T, heads, D}, qkv.options());
   const float *src = qkv.data_ptr<float>(), *qw = q_weight.data_ptr<float>(), *kw = k_weight.data_ptr<float>(),
               *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
-  float *qkp = qk.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  float* qkp = qk.data_ptr<float>();
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t esize = k_cache.element_size();
+  // a K or V row into its cache slot: copied, or quantized into an int8 cache's row
+  auto store = [&](const float* row, char* cache, int64_t h, int64_t t) {
+    char* dst = cache + (((h * num_blocks + blk[t]) * bs + off[t]) * RW) * esize;
+    if (i8)
+      kvferry_cpu::quantize_kv_row(row, D, reinterpret_cast<int8_t*>(dst));
+    else
+      std::copy_n(row, D, reinterpret_cast<float*>(dst));
+  };
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> normed(D);
     for (int64_t t = t0; t < t1; ++t) {
@@ -684,20 +697,58 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
         for (int64_t i = 0; i < D; ++i) normed[i] = x[i] * scale * w[i];
         float* dst = qkp + (t * heads + h) * D;
         for (int64_t i = 0; i < D; ++i) dst[i] = normed[i] * c[i] + normed[(i + half) % D] * s[i];
-        if (h >= num_heads)
-          std::copy_n(dst, D, kc + (((h - num_heads) * num_blocks + blk[t]) * bs + off[t]) * D);
+        if (h >= num_heads) store(dst, kc, h - num_heads, t);
       }
-      for (int64_t h = 0; h < hkv; ++h)
-        std::copy_n(src + t * width + (heads + h) * D, D, vc + ((h * num_blocks + blk[t]) * bs + off[t]) * D);
+      for (int64_t h = 0; h < hkv; ++h) store(src + t * width + (heads + h) * D, vc, h, t);
     }
   });
   return qk;
+}
+
+// int8 cache [Hkv, num_blocks, bs, D + 4] -> float32 [Hkv, len(ids), bs, D]: blocks `ids`, dequantized
+at::Tensor dequantize_blocks(const at::Tensor& cache, const std::vector<int64_t>& ids) {
+  const int64_t hkv = cache.size(0), num_blocks = cache.size(1), bs = cache.size(2), RW = cache.size(3),
+                D = RW - kvferry_cpu::KV_SCALE_BYTES, n = ids.size();
+  auto out = at::empty({hkv, n, bs, D}, cache.options().dtype(at::kFloat));
+  const int8_t* src = cache.data_ptr<int8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, hkv * n, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / n, j = i % n;
+      TORCH_CHECK(ids[j] >= 0 && ids[j] < num_blocks, "block id out of range");
+      const int8_t* block = src + (h * num_blocks + ids[j]) * bs * RW;
+      for (int64_t s = 0; s < bs; ++s) kvferry_cpu::dequantize_kv_row(block + s * RW, D, dst + (i * bs + s) * D);
+    }
+  });
+  return out;
 }
 
 // One query token per sequence over its cached KV blocks. q [B, Hq, D]; caches [Hkv, num_blocks, bs, D];
 // block_tables [B, W] (int64); context_lens [B]. Returns [B, Hq * D]. Query heads h*G..h*G+G-1 read KV head h.
 at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
+  if (k_cache.scalar_type() == at::kChar) {  // int8 cache: the blocks the tables use, dequantized once
+    auto block_tables = block_tables_.to(at::kLong).contiguous();
+    auto lens = context_lens_.to(at::kLong).contiguous();
+    const int64_t B = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(2);
+    std::vector<int64_t> used;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
+      used.insert(used.end(), block_tables.data_ptr<int64_t>() + b * W, block_tables.data_ptr<int64_t>() + b * W + n);
+    }
+    std::sort(used.begin(), used.end());
+    used.erase(std::unique(used.begin(), used.end()), used.end());
+    auto tables = at::zeros_like(block_tables);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t id = block_tables.data_ptr<int64_t>()[b * W + j];
+        tables.data_ptr<int64_t>()[b * W + j] = std::lower_bound(used.begin(), used.end(), id) - used.begin();
+      }
+    }
+    return paged_decode_attention(q_, dequantize_blocks(k_cache, used), dequantize_blocks(v_cache, used), tables,
+                                  lens, scale);
+  }
   check_f32(q_, "q");
   check_f32(k_cache, "k_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -913,7 +964,8 @@ at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tenso
                          const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& final_norm,
                          int64_t num_heads, double eps, double scale, int64_t top_k, bool renormalize) {
   constexpr int64_t PER_LAYER = 9;
-  const int64_t L = kv_cache.size(0), H = x_.size(1), hkv = kv_cache.size(2), D = kv_cache.size(-1);
+  const int64_t L = kv_cache.size(0), H = x_.size(1), hkv = kv_cache.size(2),
+                D = kv_cache.size(-1) - (kv_cache.scalar_type() == at::kChar ? kvferry_cpu::KV_SCALE_BYTES : 0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "decode_layers: 9 weights per layer");
   at::Tensor x = x_, residual;
   for (int64_t l = 0; l < L; ++l) {

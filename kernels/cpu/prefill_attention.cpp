@@ -19,6 +19,8 @@
 
 #include "vec_math.h"
 
+at::Tensor dequantize_blocks(const at::Tensor& cache, const std::vector<int64_t>& ids);  // kvferry_cpu.cpp
+
 #ifdef KVFERRY_AVX512BF16
 namespace {
 
@@ -116,6 +118,13 @@ void attend_chunk(const float* qp, int64_t q_stride, int64_t T, int64_t hq, int6
 // sequence's block ids. Returns [T, Hq * D].
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table_, int64_t context_len, double scale) {
+  if (k_cache.scalar_type() == at::kChar) {  // int8 cache: the sequence's blocks, dequantized once
+    auto table = block_table_.to(at::kLong).contiguous();
+    const int64_t n = std::min<int64_t>(table.size(0), (context_len + k_cache.size(2) - 1) / k_cache.size(2));
+    std::vector<int64_t> ids(table.data_ptr<int64_t>(), table.data_ptr<int64_t>() + n);
+    return paged_prefill_attention(q, dequantize_blocks(k_cache, ids), dequantize_blocks(v_cache, ids),
+                                   at::arange(n, table.options()), context_len, scale);
+  }
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 q and caches only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, Hq, D], heads dense");

@@ -336,3 +336,33 @@ def test_speculative_decoding_gives_the_offline_greedy_tokens(
         wait_for(lambda: rates()[1] > 0, 15, "acceptance in /metrics")
         drafts, accepted = rates()
         assert 0 < accepted <= drafts
+
+
+def test_int8_weights_and_kv_cache_through_the_pool(redis_server, tiny_model_dir, tmp_path):
+    """`kvferry up --quantization int8 --kv-cache-dtype int8`: the prefill workers write int8 KV rows (values
+    and scales) to the pool, the decode workers pull them as they are, and the tokens are the offline int8
+    engine's, fresh and after a prefix hit."""
+    from kvferry.deploy.config import cluster_layout
+
+    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-int8").with_overrides(
+        quantization="int8", kv_cache_dtype="int8"
+    )
+    layout = cluster_layout(cfg, tiny_model_dir)
+    offline_int8 = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            max_model_len=1024,
+            num_kv_blocks=512,
+            quantization="int8",
+            kv_cache_dtype="int8",
+        )
+    )
+    assert layout.dtype == "int8" and layout.head_dim == offline_int8.model.cfg.head_dim + 4
+    base = random_prompt(1200, 40)
+    prompts = [random_prompt(1201, 25), [*base, 7, 8, 9], [*base, 10, 11]]  # the third: a 32-token hit
+    with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as client:
+        for ids in prompts:
+            got = client.generate(greedy(ids), timeout=60)
+            assert got.token_ids == offline(offline_int8, ids)
+        assert got.finished.cached_tokens == 32

@@ -235,3 +235,23 @@ def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts)
         outputs.append(run_all(engine, prompts, stagger=3))
     assert outputs[0] == outputs[1]
     assert engine.fingerprint != make_engine(checkpoint, kernels="torch").fingerprint
+
+
+def test_int8_kv_cache_cpu_kernels_and_torch_reference_agree(checkpoint, prompts):
+    """`--kv-cache-dtype int8`: the C++ kernels and the torch ops read and write the same int8 rows and give
+    the same greedy tokens (batched, chunked, prefix hits); the cache is a quarter of float32's bytes and
+    the fingerprint keeps its blocks apart."""
+    outputs = []
+    for kernels in ("auto", "torch"):
+        engine = make_engine(checkpoint, kernels=kernels, max_num_batched_tokens=7, kv_cache_dtype="int8")
+        assert engine.runner.kv_cache.dtype == torch.int8
+        outputs.append(run_all(engine, prompts, stagger=3))
+    assert outputs[0] == outputs[1]
+    plain = make_engine(checkpoint, kernels="torch")
+    assert engine.fingerprint != plain.fingerprint
+    d = plain.model.cfg.head_dim
+    int8_block, float_block = (
+        engine.runner.kv_cache[:, :, :, 0].nbytes,
+        plain.runner.kv_cache[:, :, :, 0].nbytes,
+    )
+    assert int8_block * 4 * d == float_block * (d + 4)  # a row: D values + a 4-byte scale, against 4 D bytes

@@ -117,3 +117,57 @@ def test_quantization_flag_is_checked():
     EngineConfig(quantization=None).validate()
     with pytest.raises(EngineConfigError, match="--quantization 'fp4' is not supported"):
         EngineConfig(quantization="fp4").validate()
+
+
+def test_kv_rows_round_trip():
+    from kvferry.kernels.int8 import dequantize_kv, kv_row_width, quantize_kv
+
+    x = randn(3, 4, 32)
+    x[1, 2] = 0
+    rows = quantize_kv(x)
+    assert rows.dtype == torch.int8 and rows.shape == (3, 4, kv_row_width(32, torch.int8)) == (3, 4, 36)
+    back = dequantize_kv(rows)
+    assert (back[1, 2] == 0).all()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= scale / 2 + 1e-6).all()  # half a step per row at most
+
+
+@needs_kernels
+def test_int8_kv_cache_kernels_match_the_torch_path():
+    """An int8 KV cache: the C++ store writes exactly `quantize_kv`'s rows, and the decode and prefill
+    attention kernels read them as the torch reference does (dequantized)."""
+    from kvferry.kernels.int8 import dequantize_kv, quantize_kv
+    from kvferry.kernels.paged_attention import paged_decode_attention_reference
+
+    ops = cpu.ops()
+    hkv, nb, bs, d, hq = 2, 10, 16, 32, 8
+    kc = torch.zeros(hkv, nb, bs, d + 4, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    kf, vf = torch.zeros(hkv, nb, bs, d), torch.zeros(hkv, nb, bs, d)
+    tokens = 60
+    qkv = randn(tokens, (hq + 2 * hkv) * d)
+    cos, sin = randn(tokens, d), randn(tokens, d)
+    blocks = torch.tensor([b for b in (3, 1, 7, 9) for _ in range(16)][:tokens])
+    offsets = torch.arange(tokens) % 16
+    qw, kw = torch.rand(d, generator=GEN), torch.rand(d, generator=GEN)
+    q8 = ops.qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, kc, vc, blocks, offsets, hq)
+    qf = ops.qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, kf, vf, blocks, offsets, hq)
+    assert torch.equal(q8, qf)
+    assert torch.equal(kc, quantize_kv(kf)) and torch.equal(vc, quantize_kv(vf))
+    q = randn(3, hq, d)
+    tables, lens = torch.tensor([[3, 1, 7, 9], [3, 1, 0, 0], [3, 1, 7, 0]]), torch.tensor([60, 20, 33])
+    got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17)
+    ref = paged_decode_attention_reference(q, kc, vc, tables, lens, 0.17).reshape(3, -1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    if cpu.prefill_attention():
+        chunk = randn(12, hq, d)
+        table = torch.tensor([3, 1, 7, 9])
+        got = ops.paged_prefill_attention(chunk, kc, vc, table, 60, 0.17)
+        ref = ops.paged_prefill_attention(chunk, dequantize_kv(kc), dequantize_kv(vc), table, 60, 0.17)
+        assert torch.equal(got, ref)
+
+
+def test_kv_cache_dtype_flag_is_checked():
+    EngineConfig(kv_cache_dtype="int8").validate()
+    with pytest.raises(EngineConfigError, match="fp8 KV caches are not implemented"):
+        EngineConfig(kv_cache_dtype="fp8_e4m3").validate()
