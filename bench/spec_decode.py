@@ -1,4 +1,5 @@
-"""Speculative decoding at concurrency 1: TPOT with n-gram drafts against without, in the same run.
+"""Speculative decoding at concurrency 1: TPOT with each proposer (n-gram prompt lookup, the draft model)
+against without, in the same run.
 
 The trained built-in model (made on first use) decodes greedy continuations of code from the held-out
 split of the standard library sources (prompts of --prompt-len tokens, cut at file starts; each prompt
@@ -6,7 +7,9 @@ once per setting, settings interleaved). Reported per setting: TPOT (decode time
 the first), the acceptance rate (accepted / proposed drafts) and the mean tokens per decode step; and
 whether the greedy outputs are identical (they must be). Last line: one JSON object.
 
-    python bench/spec_decode.py [--prompts 8] [--prompt-len 256] [--max-tokens 128] [--k 3]
+The draft model is the built-in `draft` (trained on first use, about a minute).
+
+    python bench/spec_decode.py [--proposers ngram,draft] [--prompts 8] [--max-tokens 128] [--k 3]
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def decode(engine: LLMEngine, ids: list[int], max_tokens: int) -> tuple[list[int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="trained")
+    ap.add_argument("--draft-model", default="draft", help="the draft_model proposer's model")
+    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated: ngram, draft")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -47,10 +52,20 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
+    configs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4},
+        "draft": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k},
+    }
+    names = ["plain", *args.proposers.split(",")]
     engines = {
-        name: LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, speculative_config=spec))
-        for name, spec in (("plain", None), ("ngram", ngram))
+        name: LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                speculative_config=json.dumps(configs[name]) if name != "plain" else None,
+            )
+        )
+        for name in names
     }
     tok = engines["plain"].tokenizer
     prompts = []
@@ -72,27 +87,31 @@ def main() -> int:
             outputs[name].append(tokens)
             tpot[name].append(seconds * 1e3 / (len(tokens) - 1))
             per_step[name].append((len(tokens) - 1) / max(1, steps))
-        print(f"plain {tpot['plain'][-1]:.2f} ms, ngram {tpot['ngram'][-1]:.2f} ms", file=sys.stderr)
-    spec = engines["ngram"]
-    proposed = spec.spec_proposed - start["ngram"][0]
-    accepted = spec.spec_accepted - start["ngram"][1]
+        print(", ".join(f"{n} {tpot[n][-1]:.2f} ms" for n in names), file=sys.stderr)
+    plain = engines["plain"]
     result = {
         "bench": "spec_decode",
         "model": args.model,
-        "dtype": str(spec.dtype).removeprefix("torch."),
-        "kernels": spec.kernel_backend,
+        "dtype": str(plain.dtype).removeprefix("torch."),
+        "kernels": plain.kernel_backend,
         "cpu_flags": reported_cpu_flags(),
         "prompts": len(prompts),
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "k": args.k,
         "plain_tpot_ms": round(statistics.median(tpot["plain"]), 3),
-        "ngram_tpot_ms": round(statistics.median(tpot["ngram"]), 3),
-        "tpot_speedup": round(statistics.median(tpot["plain"]) / statistics.median(tpot["ngram"]), 3),
-        "acceptance_rate": round(accepted / max(1, proposed), 3),
-        "ngram_tokens_per_step": round(statistics.mean(per_step["ngram"]), 3),
-        "identical_greedy": outputs["plain"] == outputs["ngram"],
     }
+    for name in names[1:]:
+        engine = engines[name]
+        proposed = engine.spec_proposed - start[name][0]
+        accepted = engine.spec_accepted - start[name][1]
+        result[f"{name}_tpot_ms"] = round(statistics.median(tpot[name]), 3)
+        result[f"{name}_tpot_speedup"] = round(
+            statistics.median(tpot["plain"]) / statistics.median(tpot[name]), 3
+        )
+        result[f"{name}_acceptance_rate"] = round(accepted / max(1, proposed), 3)
+        result[f"{name}_tokens_per_step"] = round(statistics.mean(per_step[name]), 3)
+    result["identical_greedy"] = all(outputs[n] == outputs["plain"] for n in names[1:])
     print_result(result, args.out)
     return 0
 

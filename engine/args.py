@@ -14,7 +14,9 @@ from kvferry.model.quant import QUANTIZATION_CHOICES
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument(
-        "--model", default=d.model, help="checkpoint directory, or a built-in name (tiny, bench, trained)"
+        "--model",
+        default=d.model,
+        help="checkpoint directory, or a built-in name (tiny, bench, trained, draft)",
     )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")

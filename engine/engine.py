@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvferry.engine.block_hash import model_fingerprint
 from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.draft_model import DraftModelProposer
 from kvferry.engine.kv_handoff import KVHandoff
 from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
 from kvferry.engine.output import Completion, OutputState, RequestOutput
@@ -217,7 +218,23 @@ class LLMEngine:
         self._ended: list[OutputState] = []  # finished outside a step (aborted, done on arrival)
         self.num_steps = 0
         speculative = SpeculativeConfig.parse(cfg.speculative_config)
-        self.proposer = NgramProposer(speculative) if speculative else None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if speculative is not None and speculative.method == "draft_model":
+            try:
+                self.proposer = DraftModelProposer(
+                    speculative,
+                    self.model.cfg,
+                    self.device,
+                    cfg.dtype,
+                    cfg.kernels,
+                    self.max_model_len,
+                    cfg.block_size,
+                    num_blocks,
+                )
+            except SpeculativeConfigError as err:
+                raise EngineConfigError(str(err)) from None
+        elif speculative is not None:
+            self.proposer = NgramProposer(speculative)
         self.spec_proposed = 0  # draft tokens verified, and those the target accepted
         self.spec_accepted = 0
         self.kv = KVHandoff(self)  # what the workers do with KV computed or used elsewhere
@@ -335,6 +352,7 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft tokens for every running request in steady decode (speculative decoding); a request with
         a structured output or prompt logprobs decodes one token per step."""
+        eligible = []
         for req in self.scheduler.running:
             req.spec_tokens = []
             if (
@@ -345,7 +363,11 @@ class LLMEngine:
             ):
                 continue
             room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
-            req.spec_tokens = self.proposer.propose(req.all_token_ids, room - 1)
+            eligible.append((req, room - 1))
+        items = [(req.request_id, req.all_token_ids, limit) for req, limit in eligible]
+        running = {req.request_id for req in self.scheduler.running}
+        for (req, _), drafts in zip(eligible, self.proposer.propose_batch(items, running), strict=True):
+            req.spec_tokens = drafts
 
     def _update(
         self, batch: ScheduledBatch, sampled: dict[Request, Sampled | list[Sampled]]

@@ -1,7 +1,9 @@
 """Speculative decoding: proposals for a request's next tokens, verified in one forward pass.
 
 `--speculative-config` takes vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K,
-"prompt_lookup_max": N, "prompt_lookup_min": M}`. Before each step the engine asks the proposer for up to
+"prompt_lookup_max": N, "prompt_lookup_min": M}`, or `{"method": "draft_model", "model": DIR_OR_NAME,
+"num_speculative_tokens": K}` (a smaller model on the same tokenizer, `engine/draft_model.py`; a `model`
+without a method means draft_model, as in vLLM). Before each step the engine asks the proposer for up to
 K tokens for every request in steady decode; the scheduler computes the request's last token and its
 drafts as one row of K + 1 tokens, the model runner samples at each of those positions and
 `model.sampler.speculative_sample` keeps the drafts the target agrees with plus one token of its own
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfigError(ValueError):
@@ -36,6 +38,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: a checkpoint directory or a built-in name (`draft`)
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -48,13 +51,15 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"speculative_config is not JSON: {err}") from None
         if not isinstance(raw, dict):
             raise SpeculativeConfigError("speculative_config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SpeculativeConfigError(
                 f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: "
-                f"{', '.join(sorted(known))}; a draft model is not implemented yet)"
+                f"{', '.join(sorted(known))})"
             )
+        if "model" in raw and "method" not in raw:
+            raw["method"] = "draft_model"
         cfg = cls(**raw)
         cfg.validate()
         return cfg
@@ -70,6 +75,13 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(
                     f"speculative_config.{name} must be an integer >= 1, got {value!r}"
                 )
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise SpeculativeConfigError(
+                "speculative_config.model must name the draft model (a checkpoint directory or a built-in "
+                "name such as draft) for method draft_model"
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise SpeculativeConfigError("speculative_config.model goes with method draft_model, not ngram")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -82,6 +94,10 @@ class NgramProposer:
         self.k = cfg.num_speculative_tokens
         self.max_n = cfg.prompt_lookup_max
         self.min_n = cfg.prompt_lookup_min
+
+    def propose_batch(self, items: list[tuple[str, list[int], int]], running: set[str]) -> list[list[int]]:
+        """`propose` for each (request id, tokens, limit); the n-gram proposer keeps no state."""
+        return [self.propose(tokens, limit) for _, tokens, limit in items]
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(K, limit) tokens that followed the latest earlier occurrence of the longest suffix

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from kvferry.model.chat_template import CHATML
 from kvferry.model.config import ModelConfig, ModelConfigError
 
-SPECS = ("tiny", "bench", "trained")
+SPECS = ("tiny", "bench", "trained", "draft")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000
 INDEX_FILE = "model.safetensors.index.json"

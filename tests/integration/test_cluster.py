@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -306,16 +307,23 @@ def test_stream_interval_sends_tokens_in_groups(redis_server, tiny_model_dir, tm
             assert got.messages < tokens // 2
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+@pytest.mark.parametrize(
+    ("colocated", "proposer"),
+    [(False, "ngram"), (True, "ngram"), (False, "draft")],
+    ids=["disaggregated", "colocated", "disaggregated-draft-model"],
+)
 def test_speculative_decoding_gives_the_offline_greedy_tokens(
-    redis_server, tiny_model_dir, tmp_path, engine, colocated
+    redis_server, tiny_model_dir, tmp_path, engine, colocated, proposer
 ):
-    """Decode workers with n-gram speculation (`kvferry up --speculative-config`'s path): the greedy
-    tokens of the offline engine without it, for prompts whose continuation repeats what came before
-    (drafts accepted) and for plain ones."""
+    """Decode workers with speculation (`kvferry up --speculative-config`'s path; n-gram, or a draft
+    model: here the target itself, on its own KV cache in the worker): the greedy tokens of the offline
+    engine without it, for prompts whose continuation repeats what came before (drafts accepted) and for
+    plain ones."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    if proposer == "draft":
+        spec = json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 3})
     cfg = make_cluster_config(
-        tiny_model_dir, redis_server.url, f"test-spec-{colocated}", colocated=colocated
+        tiny_model_dir, redis_server.url, f"test-spec-{colocated}-{proposer}", colocated=colocated
     ).with_overrides(speculative_config=spec)
     assert all(g.engine["speculative_config"] == spec for g in cfg.groups("decode"))
     bases = [random_prompt(700 + s, n) for s, n in enumerate((12, 30))]

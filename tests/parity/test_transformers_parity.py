@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.loader import load_model
@@ -255,3 +257,26 @@ def test_int8_kv_cache_cpu_kernels_and_torch_reference_agree(checkpoint, prompts
         plain.runner.kv_cache[:, :, :, 0].nbytes,
     )
     assert int8_block * 4 * d == float_block * (d + 4)  # a row: D values + a 4-byte scale, against 4 D bytes
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+def test_speculative_draft_model_greedy_matches_transformers(
+    checkpoint, prompts, reference, tiny_model_dir, five_expert_model_dir, draft
+):
+    """The draft-model proposer gives the non-speculative greedy tokens (transformers'): with the target
+    as its own draft every draft is accepted; with another model on the tokenizer some are, some not. A
+    draft with another vocabulary (the second checkpoint's 4096 against tiny's 8192) is refused."""
+    other = five_expert_model_dir if checkpoint == tiny_model_dir else tiny_model_dir
+    model = str(checkpoint if draft == "itself" else other)
+    spec = json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    if draft == "other" and checkpoint != tiny_model_dir:
+        with pytest.raises(EngineConfigError, match="vocabulary"):
+            make_engine(checkpoint, speculative_config=spec)
+        return
+    engine = make_engine(checkpoint, speculative_config=spec, max_num_batched_tokens=7)
+    assert run_all(engine, prompts, stagger=3) == reference
+    assert engine.spec_proposed > 0
+    if draft == "itself":
+        assert engine.spec_accepted == engine.spec_proposed
+    else:
+        assert engine.spec_accepted < engine.spec_proposed

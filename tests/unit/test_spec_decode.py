@@ -9,7 +9,7 @@ import torch
 
 from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.engine.request import SamplingParams
-from kvferry.engine.spec_decode import NgramProposer, SpeculativeConfig
+from kvferry.engine.spec_decode import NgramProposer, SpeculativeConfig, SpeculativeConfigError
 from kvferry.model.sampler import SampleRow, SamplingSpec, speculative_sample, target_probs
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
@@ -20,8 +20,8 @@ def test_config_takes_vllms_json_and_names_what_is_wrong():
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (5, 3, 2)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     bad = {
-        '{"method": "eagle"}': "method must be one of ngram",
-        '{"model": "trained", "num_speculative_tokens": 3}': "unsupported key(s) model",
+        '{"method": "eagle"}': "method must be one of ngram, draft_model",
+        '{"draft_tensor_parallel_size": 2}': "unsupported key(s) draft_tensor_parallel_size",
         '{"num_speculative_tokens": 0}': "num_speculative_tokens must be an integer >= 1",
         '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}': "prompt_lookup_min (5) must be <=",
         "{method: ngram}": "not JSON",
@@ -201,3 +201,13 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(engines):
     want = plain.generate([{"prompt_token_ids": LOOP}], sp)[0]
     got = spec.generate([{"prompt_token_ids": LOOP}], sp)[0]
     assert (got.text, got.output_token_ids, got.finish_reason) == (want.text, want.output_token_ids, "stop")
+
+
+def test_draft_model_config_parses_as_vllm_spells_it():
+    cfg = SpeculativeConfig.parse('{"model": "draft", "num_speculative_tokens": 4}')
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "draft", 4)
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "/some/dir"}).model == "/some/dir"
+    with pytest.raises(SpeculativeConfigError, match="model must name the draft model"):
+        SpeculativeConfig.parse('{"method": "draft_model"}')
+    with pytest.raises(SpeculativeConfigError, match="goes with method draft_model"):
+        SpeculativeConfig.parse('{"method": "ngram", "model": "draft"}')
