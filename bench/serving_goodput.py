@@ -10,7 +10,7 @@ OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png wit
 the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
 
     python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--prefill-replicas N]
-                                    [--baseline REV] [--out DIR]
+                                    [--quantization int8] [--kv-cache-dtype int8] [--baseline REV] [--out DIR]
 
 `--baseline REV` brings up commit REV's disaggregated cluster too (a git worktree in its own venv) and
 sweeps it as `before`, in the same run: `kvferry_vs_before` is this checkout's goodput over REV's.
@@ -35,7 +35,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import baseline_python, bench_model_dir, print_result, remove_worktree, start_up, stop_up
+from common import (
+    baseline_python,
+    bench_model_dir,
+    print_result,
+    remove_worktree,
+    reported_cpu_flags,
+    start_up,
+    stop_up,
+)
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings
 from kvferry.deploy.local import LocalCluster
@@ -78,10 +86,14 @@ def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
     return {"ttft_ms": round(statistics.median(ttfts), 1), "tpot_ms": round(statistics.median(tpots), 2)}
 
 
-def start(model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1) -> LocalCluster:
+def start(
+    model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1, engine: dict | None = None
+) -> LocalCluster:
+    """`engine`: engine flags for every group (`kvferry up --quantization` / `--kv-cache-dtype`)."""
     router = RouterSettings(port=0, http_port=0)
     namespace = "colocated" if colocated else "disagg"
     cfg = ClusterConfig(model=model, namespace=namespace, router=router, colocated=colocated)
+    cfg = cfg.with_overrides(**(engine or {}))
     if not colocated:
         cfg = replace(cfg, prefill=replace(cfg.groups("prefill")[0], replicas=prefill_replicas))
     cluster = LocalCluster(cfg, log_dir=log_dir, quiet=True)
@@ -113,6 +125,10 @@ def main() -> None:
         default=1,
         help="prefill workers of the disaggregated cluster (each gets cores // replicas threads)",
     )
+    ap.add_argument(
+        "--quantization", default=None, choices=["int8"], help="kvferry's weights (both clusters)"
+    )
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"], help="kvferry's KV cache")
     for action in ap._actions:
         if action.dest in ("target", "slo_ttft", "slo_tpot", "out"):
             action.required = False
@@ -120,7 +136,8 @@ def main() -> None:
     args.out = args.out or Path("serving-goodput")
     model = str(bench_model_dir(args.model))
     logs = args.out / "logs"
-    clusters = [start(model, colocated, logs / name, args.prefill_replicas) for name, colocated in
+    engine = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    clusters = [start(model, colocated, logs / name, args.prefill_replicas, engine) for name, colocated in
                 (("disagg", False), ("colocated", True))]  # fmt: skip
     work, baseline = Path(tempfile.mkdtemp(prefix="kvferry-goodput-")), None
     try:
@@ -146,7 +163,10 @@ def main() -> None:
     good = {label: report["targets"][label]["goodput"] for label in urls}
     result = {
         "model": Path(model).name,
+        "cpu_flags": reported_cpu_flags(),
         "prefill_replicas": args.prefill_replicas,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto",
         "slo": report["slo"],
         "rates": args.rates,
         "kvferry_goodput": good["kvferry"],

@@ -30,6 +30,7 @@ from kvferry.model.loader import load_model
 from kvferry.settings import load_settings
 
 log = logging.getLogger(__name__)
+DECODE_ROWS_MAX = 16  # a catch-up of at most this many tokens runs as decode rows
 
 
 @dataclass
@@ -92,15 +93,17 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in items]
         if not work:
             return out
-        # catch-up and the first draft: single tokens as decode rows first, then prompt-like chunks
-        work.sort(key=lambda w: len(w[2]) - w[1].num_cached != 1)
+        # catch-up and the first draft. A few tokens (what the target accepted since the last proposal)
+        # run as decode rows, each attending as a decode of its own position, so that the pass stays in
+        # the one-call decode path; a prompt runs as a prefill chunk, after them
+        work.sort(key=lambda w: len(w[2]) - w[1].num_cached > DECODE_ROWS_MAX)
         step = StepInputs()
         for _, state, tokens, _ in work:
             start, n, row = state.num_cached, len(tokens) - state.num_cached, len(step.input_ids)
             self._add(step, state, tokens[start:], start)
-            if n == 1:
-                step.decode_tables.append(state.block_ids)
-                step.decode_lens.append(start + 1)
+            if n <= DECODE_ROWS_MAX:
+                step.decode_tables += [state.block_ids] * n
+                step.decode_lens += range(start + 1, start + n + 1)
             else:
                 step.prefills.append((row, n, start + n, state.block_ids))
             step.sample_rows.append(row + n - 1)
