@@ -5,7 +5,8 @@ Qwen3-MoE checkpoint with the same vocabulary) proposes K tokens greedily for ev
 decode, all requests batched: one forward pass catches each request's draft KV up with the tokens the
 target accepted since its last proposal (the whole prompt the first time) and gives the first draft,
 then K - 1 single-token passes give the rest. The draft keeps its own paged KV cache (its own
-`ModelRunner`, as many blocks as the target's cache, a block list per request); the KV written for a
+`ModelRunner`, as many blocks as the target's cache within a quarter of its memory budget, a block list
+per request); the KV written for a
 draft lies past the accepted tokens and is overwritten by the next catch-up, as in the target. A request
 that leaves the running set gives its blocks back (on a resume the catch-up starts from its prompt).
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.engine.model_runner import ModelRunner, StepInputs
+from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
 from kvferry.engine.spec_decode import SpeculativeConfig, SpeculativeConfigError
 from kvferry.kernels.select import choose
 from kvferry.model.config import ModelConfig, resolve_dtype
@@ -50,7 +51,10 @@ class DraftModelProposer:
         max_model_len: int,
         block_size: int,
         num_blocks: int,
+        memory_bytes: int,
     ):
+        """`num_blocks`: the target cache's; the draft's has as many, within `memory_bytes` (fewer blocks
+        than its requests need only means some get no drafts)."""
         self.k = cfg.num_speculative_tokens
         self.block_size = block_size
         model_dir = resolve_model(cfg.model, load_settings().models_dir)
@@ -67,6 +71,8 @@ class DraftModelProposer:
             backend = "torch"
         elif backend == "triton":
             self.model.use_triton()
+        block_bytes = kv_block_bytes(self.model, block_size, self.model.embed.dtype)
+        num_blocks = max(1, min(num_blocks, memory_bytes // block_bytes))
         self.runner = ModelRunner(self.model, num_blocks, block_size, device)
         self.free = list(range(num_blocks - 1, -1, -1))
         self.states: dict[str, _DraftState] = {}

@@ -230,6 +230,7 @@ class LLMEngine:
                     self.max_model_len,
                     cfg.block_size,
                     num_blocks,
+                    int(cfg.kv_cache_memory_gib * 2**30) // 4,  # the draft's cache: a quarter of the budget
                 )
             except SpeculativeConfigError as err:
                 raise EngineConfigError(str(err)) from None
