@@ -6,9 +6,9 @@ decode, all requests batched: one forward pass catches each request's draft KV u
 target accepted since its last proposal (the whole prompt the first time) and gives the first draft,
 then K - 1 single-token passes give the rest. The draft keeps its own paged KV cache (its own
 `ModelRunner`, as many blocks as the target's cache within a quarter of its memory budget, a block list
-per request); the KV written for a
-draft lies past the accepted tokens and is overwritten by the next catch-up, as in the target. A request
-that leaves the running set gives its blocks back (on a resume the catch-up starts from its prompt).
+per request); the KV written for a draft lies past the accepted tokens and is overwritten by the next
+catch-up, as in the target. A request that leaves the running set gives its blocks back (on a resume the
+catch-up starts from its prompt).
 
 Greedy drafts are a deterministic proposal, so `model.sampler.speculative_sample`'s rule (accept draft d
 with probability p(d), else draw from p without d) keeps sampled outputs distributed as the target's, and

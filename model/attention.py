@@ -147,10 +147,9 @@ def _prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-    if (
-        chunk.context_len == chunk.q_len and k_cache.dtype != torch.int8
-    ):  # nothing cached before: plain causal
-        # (an int8 cache is always read back, so every chunking attends over the same dequantized K/V)
+    # nothing cached before this chunk: plain causal attention (an int8 cache is always read back, so that
+    # every chunking attends over the same dequantized K/V)
+    if chunk.context_len == chunk.q_len and k_cache.dtype != torch.int8:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask, causal = None, True
     else:

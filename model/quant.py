@@ -1,8 +1,8 @@
 """int8 weight quantization (`--quantization int8`, vLLM's flag): W8A8, dynamic.
 
 - Weights: symmetric int8 per output channel, scale = max |w[:, n]| / 127, q = round(w / scale) in [-127, 127]
-  (computed in float32 from the checkpoint's weight). Checkpoints already quantized in the compressed-tensors
-  int8 format (`model/loader.py`) give their own q and scales.
+  (computed in float32 from the checkpoint's weight when the model loads; checkpoints already quantized in
+  the compressed-tensors int8 format are not read yet).
 - Activations: symmetric int8 per token (row), quantized at each call: scale = max |x| / 127,
   q = round_half_even(x * (127 / max |x|)).
 - Products in int32, exact; the result is float32(acc) * (row scale * channel scale).
@@ -55,11 +55,3 @@ def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     xq, xs = quantize_rows(x)
     acc = (xq.double() @ q.double()).float()
     return (acc * (xs.unsqueeze(-1) * scale.float().unsqueeze(0))).to(x.dtype)
-
-
-class Int8Weight:
-    """A weight held as int8 + channel scales for the torch / Triton paths (the CPU kernels pack theirs)."""
-
-    def __init__(self, w: torch.Tensor):
-        self.q, self.scale = quantize_weight(w)
-        self.out_features = w.shape[-1]
