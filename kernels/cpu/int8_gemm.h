@@ -55,9 +55,11 @@ inline float quantize_row(const float* x, int64_t K, act_t* q) {
   for (; k + 8 <= K; k += 8) {
     // cvtps rounds half to even (the default MXCSR mode), like torch.round
     const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
-    alignas(32) int32_t ints[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), v);
-    for (int i = 0; i < 8; ++i) q[k + i] = static_cast<act_t>(ints[i] + I8_OFFSET);
+    // 8 int32 in [-127, 127] -> 8 int16 (+ I8_OFFSET) -> 8 bytes (u8 for VNNI's q + 128, else s8)
+    const __m128i w16 = _mm_add_epi16(_mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)),
+                                      _mm_set1_epi16(I8_OFFSET));
+    const __m128i b8 = I8_OFFSET ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), b8);
   }
   for (; k < K; ++k) q[k] = static_cast<act_t>(static_cast<int32_t>(std::nearbyint(x[k] * inv)) + I8_OFFSET);
   return amax / 127.f;

@@ -694,9 +694,12 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
         const float* x = src + t * width + h * D;
         const float* w = h < num_heads ? qw : kw;
         const float scale = rms_scale(x, D, eps);
-        for (int64_t i = 0; i < D; ++i) normed[i] = x[i] * scale * w[i];
+        float* n = normed.data();
+        for (int64_t i = 0; i < D; ++i) n[i] = x[i] * scale * w[i];
         float* dst = qkp + (t * heads + h) * D;
-        for (int64_t i = 0; i < D; ++i) dst[i] = normed[i] * c[i] + normed[(i + half) % D] * s[i];
+        // x * cos + roll(x, D/2) * sin (sin's first half negated), as two halves so that both vectorize
+        for (int64_t i = 0; i < half; ++i) dst[i] = n[i] * c[i] + n[i + half] * s[i];
+        for (int64_t i = half; i < D; ++i) dst[i] = n[i] * c[i] + n[i - half] * s[i];
         if (h >= num_heads) store(dst, kc, h - num_heads, t);
       }
       for (int64_t h = 0; h < hkv; ++h) store(src + t * width + (heads + h) * D, vc, h, t);
@@ -888,8 +891,19 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
       }
     });
   };
+  // int8: with more assignments than tokens (top-k > 1, every expert here), each token's row is quantized
+  // once (its scale is per row, whatever the expert) and gathered as bytes
+  const bool i8_once = i8 && total > T;
+  std::vector<kvferry_cpu::act_t> tq(i8_once ? T * H : 0);
+  std::vector<float> tsc(i8_once ? T : 0);
+  if (i8_once) kvferry_cpu::quantize_rows(xp, H, T, H, tq.data(), tsc.data());
   at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+      if (i8_once) {
+        std::copy_n(tq.data() + token_of[r] * H, H, xq.data() + r * H);
+        xsc[r] = tsc[token_of[r]];
+        continue;
+      }
 #ifdef KVFERRY_AVX512BF16
       if (pairs) {
         row_to_bf16(xp + token_of[r] * H, H, xb.data() + r * H, H);
