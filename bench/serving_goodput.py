@@ -10,7 +10,8 @@ OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png wit
 the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
 
     python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--prefill-replicas N]
-                                    [--quantization int8] [--kv-cache-dtype int8] [--baseline REV] [--out DIR]
+                                    [--quantization int8] [--kv-cache-dtype int8] [--isa avx2] [--baseline REV]
+                                    [--out DIR]
 
 `--baseline REV` brings up commit REV's disaggregated cluster too (a git worktree in its own venv) and
 sweeps it as `before`, in the same run: `kvferry_vs_before` is this checkout's goodput over REV's.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -47,6 +49,7 @@ from common import (
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings
 from kvferry.deploy.local import LocalCluster
+from kvferry.kernels.cpu import ISA_ENV
 from kvferry.loadtest.sweep import add_sweep_args, run_sweep
 
 
@@ -129,6 +132,13 @@ def main() -> None:
         "--quantization", default=None, choices=["int8"], help="kvferry's weights (both clusters)"
     )
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"], help="kvferry's KV cache")
+    ap.add_argument(
+        "--isa",
+        default="native",
+        choices=["native", "avx2"],
+        help="avx2: kvferry's clusters see this CPU as AVX2-only (KVFERRY_CPU_ISA and ATEN_CPU_CAPABILITY; "
+        "float32 by default), how an AVX2-only host is stood in for; start --vllm's server likewise",
+    )
     for action in ap._actions:
         if action.dest in ("target", "slo_ttft", "slo_tpot", "out"):
             action.required = False
@@ -137,6 +147,8 @@ def main() -> None:
     model = str(bench_model_dir(args.model))
     logs = args.out / "logs"
     engine = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if args.isa != "native":  # the clusters' processes inherit it
+        os.environ[ISA_ENV] = os.environ["ATEN_CPU_CAPABILITY"] = args.isa
     clusters = [start(model, colocated, logs / name, args.prefill_replicas, engine) for name, colocated in
                 (("disagg", False), ("colocated", True))]  # fmt: skip
     work, baseline = Path(tempfile.mkdtemp(prefix="kvferry-goodput-")), None
@@ -164,6 +176,7 @@ def main() -> None:
     result = {
         "model": Path(model).name,
         "cpu_flags": reported_cpu_flags(),
+        "isa": args.isa,
         "prefill_replicas": args.prefill_replicas,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype or "auto",

@@ -42,7 +42,7 @@ from pathlib import Path
 from kvferry.auth import SECRET_ENV, TLS_ENVS, cluster_secret, new_secret
 from kvferry.deploy import scaling
 from kvferry.deploy.cluster_ca import ClusterCA, launcher_ca
-from kvferry.deploy.config import ClusterConfig, cluster_layout
+from kvferry.deploy.config import ClusterConfig, Placement, cluster_layout
 from kvferry.deploy.readiness import reachable, wait_until_ready
 from kvferry.deploy.redis_server import (
     LaunchError,
@@ -66,6 +66,12 @@ from kvferry.settings import API_KEY_ENV, load_settings
 TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
 SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
 
+
+
+def placement_env(placement: Placement, environ=os.environ) -> dict[str, str]:
+    """A worker's environment additions for its placement; a variable the user set in the launcher's
+    environment (KVFERRY_NUM_THREADS, OMP_WAIT_POLICY) wins over the placement's value."""
+    return {k: v for k, v in placement.env().items() if not environ.get(k)}
 
 @dataclass
 class Child:
@@ -243,10 +249,7 @@ class LocalCluster:
         placement = self._placement[role]
         paced = {"decode_step_interval_ms": placement.step_interval_ms} if placement.step_interval_ms else {}
         argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.cluster_host, defaults=paced)
-        env = placement.env()
-        if os.environ.get("KVFERRY_NUM_THREADS"):  # set by the user: it wins over the placement's count
-            del env["KVFERRY_NUM_THREADS"]
-        child = self._spawn(name, placement.command(argv), env)
+        child = self._spawn(name, placement.command(argv), placement_env(placement))
         child.size = cfg.group_size(role, kind)
         with self._lock:
             self.groups[role].append(child)

@@ -11,6 +11,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -74,3 +76,80 @@ def terminate(procs: Iterable[subprocess.Popen], limit_s: float) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+
+# Torch's CPU ops run their parallel regions on OpenMP (libgomp in torch's wheels), which keeps a team of
+# worker threads for every thread that has started a parallel region, for as long as that thread lives.
+# Once a process holds more such threads than it has cores, every team waits at its barriers with a
+# throttled spin (GOMP's 1000 spins, whatever OMP_WAIT_POLICY says) and each parallel region pays a futex
+# wake-up of the other threads. A worker's engine thread starts ~20 parallel regions a layer, so a second
+# team anywhere in the process (the main thread's, left by building the engine; a transfer thread's, from
+# one large tensor copy) slowed its steps: a 256-token prefill of the bench model took 69-74 ms in the
+# prefill worker against 48 ms with the engine thread's team alone (bench/serving_goodput.py's c1 TTFT
+# went from 84 to 59 ms). So a worker builds its engine on a passing thread (`on_passing_thread`) and
+# confines parallel regions to its engine thread (`confine_openmp`): every other thread runs torch ops
+# on itself alone.
+
+
+def _omp_set_num_threads():
+    """The loaded OpenMP runtime's omp_set_num_threads (per calling thread), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
+            try:
+                return ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def run_torch_serially() -> None:
+    """Torch ops on the calling thread run on it alone from now on (an OpenMP team of one: no worker
+    threads, no barrier), whatever torch.get_num_threads() says for the others."""
+    import torch
+
+    torch.get_num_threads()  # torch's per-thread setup first: it applies the process-wide count
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        set_threads(1)
+
+
+def confine_openmp(compute_threads: tuple[str, ...]) -> None:
+    """Threads started from now on that are not named in `compute_threads` run torch ops serially
+    (`run_torch_serially`, applied as each starts, through threading.setprofile's per-thread hook);
+    the named ones keep torch's thread count. Call early, before the process starts its threads."""
+    if _omp_set_num_threads() is None:
+        return
+    previous = threading.getprofile() if hasattr(threading, "getprofile") else None
+
+    def on_start(frame, event, arg):
+        sys.setprofile(previous)  # once per thread: hand over to whatever profiler was set before
+        if threading.current_thread().name not in compute_threads:
+            run_torch_serially()
+        return None
+
+    threading.setprofile(on_start)
+
+
+def on_passing_thread(fn, name: str = "build"):
+    """`fn()` run on a thread that ends when it returns: its result, or what it raised. For what builds
+    an engine whose steps run on another thread: the builder's OpenMP team ends with it."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

@@ -29,7 +29,7 @@ from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
 from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.parallel import Comm, Parallel
-from kvferry.proc import settle_heap
+from kvferry.proc import confine_openmp, on_passing_thread, run_torch_serially, settle_heap
 from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
 from kvferry.worker.group import Group, form_group
 from kvferry.worker.service import EngineWorker, default_max_streams, kv_layout
@@ -128,6 +128,9 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = worker_parser(role).parse_args(argv)
+    # torch's parallel regions run on the engine thread alone (and the thread that builds the engine,
+    # then ends): a second OpenMP team anywhere in the process slows every step (kvferry.proc)
+    confine_openmp(("engine", "build"))
     cfg: EngineConfig = role.engine_config(args, engine_config_from(args))
     group_id = args.worker_id or f"{role.name}-{uuid.uuid4().hex[:8]}"
     group, cfg = form_group(args, cfg, role.name, group_id, argv)
@@ -135,7 +138,9 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role.name} {worker_id} %(levelname)s %(message)s"
     )
-    engine = LLMEngine(cfg, role.parallel(group.comm), detokenize=False)  # the router makes the text
+    # built on a passing thread, so that the engine thread's OpenMP team is the process's only one
+    # (kvferry.proc); the router makes the text
+    engine = on_passing_thread(lambda: LLMEngine(cfg, role.parallel(group.comm), detokenize=False))
     meta = MetadataStore(args.redis_url, args.namespace)
     if args.pool_replicas < 1:
         raise SystemExit(f"--pool-replicas must be >= 1, got {args.pool_replicas}")
@@ -187,6 +192,7 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     log.info(
         "%s worker %s serving on %s (open calls <= %d)", role.name, worker_id, addr, servicer.max_streams
     )
+    run_torch_serially()  # this thread only waits from now on; the engine thread computes
     stop.wait()
     drain(servicer, heartbeat, args.drain_timeout_s)
     watchdog = threading.Timer(SHUTDOWN_S, _shutdown_stuck)  # whatever hangs, the process ends

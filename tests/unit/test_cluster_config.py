@@ -308,3 +308,13 @@ def test_generation_config_defaults_fill_only_unset_fields(tmp_path):
     assert (filled.temperature, filled.top_p, filled.top_k, filled.max_tokens) == (0.6, 0.95, 20, 30)
     given = sampling_from_proto(generate_pb2.SamplingParams(temperature=0.0, top_k=5, max_tokens=3), defaults)
     assert (given.temperature, given.top_k, given.max_tokens) == (0.0, 5, 3)
+
+
+def test_user_environment_wins_over_the_placement():
+    from kvferry.deploy.config import Placement
+    from kvferry.deploy.local import placement_env
+
+    shared = Placement(2, passive_wait=True)
+    assert placement_env(shared, {}) == {"KVFERRY_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert placement_env(shared, {"OMP_WAIT_POLICY": "ACTIVE"}) == {"KVFERRY_NUM_THREADS": "2"}
+    assert placement_env(shared, {"KVFERRY_NUM_THREADS": "1"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
