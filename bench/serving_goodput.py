@@ -10,8 +10,8 @@ OUT gets the sweep's summary.json, sweep.csv, attainment.png and latency.png wit
 the same plots. Last line: one JSON object with each goodput, the ratios, and each c1 TPOT.
 
     python bench/serving_goodput.py [--vllm http://127.0.0.1:8100] [--rates 1,2,3,4,5] [--prefill-replicas N]
-                                    [--quantization int8] [--kv-cache-dtype int8] [--isa avx2] [--baseline REV]
-                                    [--out DIR]
+                                    [--quantization int8] [--kv-cache-dtype int8] [--isa avx2]
+                                    [--baseline REV] [--out DIR]
 
 `--baseline REV` brings up commit REV's disaggregated cluster too (a git worktree in its own venv) and
 sweeps it as `before`, in the same run: `kvferry_vs_before` is this checkout's goodput over REV's.

@@ -67,11 +67,11 @@ TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
 SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
 
 
-
 def placement_env(placement: Placement, environ=os.environ) -> dict[str, str]:
     """A worker's environment additions for its placement; a variable the user set in the launcher's
     environment (KVFERRY_NUM_THREADS, OMP_WAIT_POLICY) wins over the placement's value."""
     return {k: v for k, v in placement.env().items() if not environ.get(k)}
+
 
 @dataclass
 class Child:

@@ -78,7 +78,6 @@ def terminate(procs: Iterable[subprocess.Popen], limit_s: float) -> None:
             proc.wait()
 
 
-
 # Torch's CPU ops run their parallel regions on OpenMP (libgomp in torch's wheels), which keeps a team of
 # worker threads for every thread that has started a parallel region, for as long as that thread lives.
 # Once a process holds more such threads than it has cores, every team waits at its barriers with a
