@@ -891,32 +891,38 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
       }
     });
   };
-  // int8: with more assignments than tokens (top-k > 1, every expert here), each token's row is quantized
-  // once (its scale is per row, whatever the expert) and gathered as bytes
-  const bool i8_once = i8 && total > T;
-  std::vector<kvferry_cpu::act_t> tq(i8_once ? T * H : 0);
-  std::vector<float> tsc(i8_once ? T : 0);
-  if (i8_once) kvferry_cpu::quantize_rows(xp, H, T, H, tq.data(), tsc.data());
-  at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (i8_once) {
-        std::copy_n(tq.data() + token_of[r] * H, H, xq.data() + r * H);
-        xsc[r] = tsc[token_of[r]];
-        continue;
+  // int8: a token's row is quantized once, into its first local assignment's row (the scale is per row,
+  // whatever the expert), and copied as bytes to its others
+  if (i8) {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        int64_t first = -1;
+        for (int64_t j = 0; j < top_k; ++j) {
+          const int64_t r = row_of[t * top_k + j];
+          if (r < 0) continue;
+          if (first < 0) {
+            xsc[r] = kvferry_cpu::quantize_row(xp + t * H, H, xq.data() + r * H);
+            first = r;
+          } else {
+            std::copy_n(xq.data() + first * H, H, xq.data() + r * H);
+            xsc[r] = xsc[first];
+          }
+        }
       }
+    });
+  } else {
+    at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
 #ifdef KVFERRY_AVX512BF16
-      if (pairs) {
-        row_to_bf16(xp + token_of[r] * H, H, xb.data() + r * H, H);
-        continue;
-      }
+        if (pairs) {
+          row_to_bf16(xp + token_of[r] * H, H, xb.data() + r * H, H);
+          continue;
+        }
 #endif
-      if (i8) {
-        xsc[r] = kvferry_cpu::quantize_row(xp + token_of[r] * H, H, xq.data() + r * H);
-        continue;
+        std::copy_n(xp + token_of[r] * H, H, xsp + r * H);
       }
-      std::copy_n(xp + token_of[r] * H, H, xsp + r * H);
-    }
-  });
+    });
+  }
   over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) {
     expert_gemm(w13, e, Rows{xsp, H, xb.data(), xq.data(), xsc.data()}, H, 2 * I, hp, b0, b1);
   });
