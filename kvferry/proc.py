@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -84,15 +85,18 @@ def terminate(procs: Iterable[subprocess.Popen], limit_s: float) -> None:
 # throttled spin (GOMP's 1000 spins, whatever OMP_WAIT_POLICY says) and each parallel region pays a futex
 # wake-up of the other threads. A worker's engine thread starts ~20 parallel regions a layer, so a second
 # team anywhere in the process (the main thread's, left by building the engine; a transfer thread's, from
-# one large tensor copy) slowed its steps: a 256-token prefill of the bench model took 69-74 ms in the
-# prefill worker against 48 ms with the engine thread's team alone (bench/serving_goodput.py's c1 TTFT
-# went from 84 to 59 ms). So a worker builds its engine on a passing thread (`on_passing_thread`) and
-# confines parallel regions to its engine thread (`confine_openmp`): every other thread runs torch ops
-# on itself alone.
+# one large tensor copy) slowed its steps: a 256-token prefill of the bench model took 69-74 ms in a
+# prefill worker with a spinning team against 48 ms with the engine thread's team alone (86 -> 75 ms with
+# the shared placement's passive wait), and a colocated cluster's c1 TTFT went from 72 to 52-55 ms. So a
+# worker builds its engine on a passing thread (`on_passing_thread`) and confines parallel regions to its
+# engine thread (`confine_openmp`): every other thread runs torch ops on itself alone.
 
 
+@functools.cache
 def _omp_set_num_threads():
-    """The loaded OpenMP runtime's omp_set_num_threads (per calling thread), or None."""
+    """The OpenMP runtime torch loaded: its omp_set_num_threads (per calling thread), or None."""
+    import torch  # noqa: F401  (loads the runtime)
+
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/" in line}
