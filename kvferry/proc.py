@@ -82,7 +82,7 @@ def terminate(procs: Iterable[subprocess.Popen], limit_s: float) -> None:
 # Torch's CPU ops run their parallel regions on OpenMP (libgomp in torch's wheels), which keeps a team of
 # worker threads for every thread that has started a parallel region, for as long as that thread lives.
 # Once a process holds more such threads than it has cores, every team waits at its barriers with a
-# throttled spin (GOMP's 1000 spins, whatever OMP_WAIT_POLICY says) and each parallel region pays a futex
+# throttled spin (at most 1000 iterations; none under OMP_WAIT_POLICY=PASSIVE) and each region pays a futex
 # wake-up of the other threads. A worker's engine thread starts ~20 parallel regions a layer, so a second
 # team anywhere in the process (the main thread's, left by building the engine; a transfer thread's, from
 # one large tensor copy) slowed its steps: a 256-token prefill of the bench model took 69-74 ms in a
