@@ -128,7 +128,7 @@ def confine_openmp(compute_threads: tuple[str, ...]) -> None:
     the named ones keep torch's thread count. Call early, before the process starts its threads."""
     if _omp_set_num_threads() is None:
         return
-    previous = threading.getprofile() if hasattr(threading, "getprofile") else None
+    previous = threading.getprofile()
 
     def on_start(frame, event, arg):
         sys.setprofile(previous)  # once per thread: hand over to whatever profiler was set before
