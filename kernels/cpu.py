@@ -135,11 +135,3 @@ def isa() -> str:
         + (["avx512_bf16"] if has_avx512_bf16() else [])
         + (["avx512_vnni"] if has_avx512_vnni() else [])
     )
-
-
-def prefill_attention() -> bool:
-    """The loaded kernels have `paged_prefill_attention` (the AVX-512 build, the same as `bf16_dot`);
-    elsewhere prefill chunks run torch's SDPA."""
-    if "prefill" not in _state:
-        _state["prefill"] = bf16_dot()
-    return _state["prefill"]

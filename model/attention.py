@@ -7,7 +7,7 @@ its slot (block id, offset in block) before attention reads the cache.
 Cache layout (per layer, for K and for V alike): [num_kv_heads, num_blocks, block_size, head_dim].
 Decodes read their blocks through a block table (`kernels/`: the Triton kernel on CUDA, a C++ CPU
 kernel, or the torch reference that gathers them). Prefill chunks read theirs in place with the Triton
-prefill kernel (every chunk of the step in one launch) or the C++ one where it builds (one call per
+prefill kernel (every chunk of the step in one launch) or the C++ one (AVX2 or AVX-512; one call per
 chunk, a cached prefix included, causal by position); the torch path runs SDPA over the chunk's own
 K/V, or over the gathered cached prefix with a causal mask. Which one: `kernels.select`.
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvferry.kernels import cpu
 from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.kernels.int8 import quantize_kv
 from kvferry.kernels.paged_attention import block_rows, gather_kv, paged_decode_attention_reference
@@ -101,10 +100,9 @@ def paged_attention(
         decode = cpu_ops().paged_decode_attention if kernels else paged_decode_attention_reference
         attn = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         out[:nd] = attn.view_as(q[:nd])
-    prefill_kernel = kernels and cpu.prefill_attention()
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        if prefill_kernel:
+        if kernels:
             attn = cpu_ops().paged_prefill_attention(
                 q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
             )

@@ -104,7 +104,6 @@ def test_paged_decode_attention(hq, hkv, d, lens, bs):
     torch.testing.assert_close(out.view_as(expected), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu.prefill_attention(), reason="the AVX-512 build only")
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (16, 4, 32), (32, 4, 128), (24, 2, 64), (3, 1, 16)])
 @pytest.mark.parametrize(
     ("q_len", "context"), [(1, 1), (5, 5), (17, 17), (1, 40), (7, 33), (40, 100), (16, 64)]

@@ -159,12 +159,11 @@ def test_int8_kv_cache_kernels_match_the_torch_path():
     got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17)
     ref = paged_decode_attention_reference(q, kc, vc, tables, lens, 0.17).reshape(3, -1)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    if cpu.prefill_attention():
-        chunk = randn(12, hq, d)
-        table = torch.tensor([3, 1, 7, 9])
-        got = ops.paged_prefill_attention(chunk, kc, vc, table, 60, 0.17)
-        ref = ops.paged_prefill_attention(chunk, dequantize_kv(kc), dequantize_kv(vc), table, 60, 0.17)
-        assert torch.equal(got, ref)
+    chunk = randn(12, hq, d)
+    table = torch.tensor([3, 1, 7, 9])
+    got = ops.paged_prefill_attention(chunk, kc, vc, table, 60, 0.17)
+    ref = ops.paged_prefill_attention(chunk, dequantize_kv(kc), dequantize_kv(vc), table, 60, 0.17)
+    assert torch.equal(got, ref)
 
 
 def test_kv_cache_dtype_flag_is_checked():
