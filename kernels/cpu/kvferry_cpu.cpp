@@ -835,9 +835,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 // w2 [E, H/16, I, 16] (or [E, H/16, I/2, 32]). Returns [T, H] = sum over local assignments of
 // weight * (silu(x W_gate) * (x W_up)) W_2, each token's terms added in expert order.
 // Five parallel regions for the whole layer, whatever the number of experts hit: gather (and round to
-// bf16) the rows of every expert; gate/up GEMMs of all experts, split by (expert, column blocks); SiLU*up;
-// down GEMMs likewise; the weighted sum per token. A parallel region costs a thread wake-up each (tens of
-// microseconds when threads sleep between regions), so a layer must not pay four per expert.
+// bf16) the rows of every expert; gate/up GEMMs of all experts (each thread one run of (expert, column
+// block) units); SiLU*up; down GEMMs likewise; the weighted sum per token. A parallel region costs a thread
+// wake-up each (tens of microseconds when threads sleep between regions), so a layer must not pay four per
+// expert.
 at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
                      const at::Tensor& w2, int64_t first_expert) {
   // the pairs layout is only made for even K and int8 for K a multiple of 4, so K == Kp here
@@ -880,14 +881,31 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     const int64_t r0 = start[e];
     gemm_blocks(Packed(w, e), in.offset(r0, K), start[e + 1] - r0, K, N, dst + r0 * N, N, b0, b1);
   };
-  // work items: (expert, group of 4 column blocks), experts interleaved so that threads get all of them
+  // Each thread takes one contiguous run of (expert, column block) units in expert order, the runs of equal
+  // cost (a unit costs its expert's rows plus ROW_COST_OF_BLOCK for reading its weights): a thread then reads
+  // each expert's weights front to back (what the hardware prefetchers follow) and its rows stay in cache.
+  // Every output column is computed the same way whichever thread computes it.
   auto over_experts = [&](int64_t N, auto&& fn) {
-    constexpr int64_t GROUP = 4;
-    const int64_t groups = ((N + NB - 1) / NB + GROUP - 1) / GROUP, nblocks = (N + NB - 1) / NB;
-    at::parallel_for(0, groups * nact, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t g = i / nact, b0 = g * GROUP;
-        fn(active[i % nact], b0, std::min(b0 + GROUP, nblocks));
+    constexpr int64_t ROW_COST_OF_BLOCK = 8;
+    const int64_t nblocks = (N + NB - 1) / NB;
+    int64_t total_cost = 0;
+    for (int64_t e : active) total_cost += (start[e + 1] - start[e] + ROW_COST_OF_BLOCK) * nblocks;
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nact * nblocks));
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t part = p0; part < p1; ++part) {
+        // this part's cost range [lo, hi): a unit belongs to the part where its cost starts
+        const int64_t lo = total_cost * part / parts, hi = total_cost * (part + 1) / parts;
+        int64_t before = 0;
+        for (int64_t i = 0; i < nact && before < hi; ++i) {
+          const int64_t e = active[i], unit = start[e + 1] - start[e] + ROW_COST_OF_BLOCK;
+          const int64_t end = before + unit * nblocks;
+          if (end > lo) {  // units b with lo <= before + b * unit < hi
+            const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);
+            const int64_t b1 = std::min<int64_t>(nblocks, (hi - before + unit - 1) / unit);
+            if (b0 < b1) fn(e, b0, b1);
+          }
+          before = end;
+        }
       }
     });
   };
