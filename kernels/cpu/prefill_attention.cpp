@@ -47,7 +47,9 @@ inline float max16(V16 a) { return _mm512_reduce_max_ps(a.v); }
 inline float sum16(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline __mmask16 first16(int64_t n) { return n >= KT ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 // lanes < n keep a, the others get `fill` (or 0)
-inline V16 keep16(V16 a, int64_t n, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), first16(n), a.v)}; }
+inline V16 keep16(V16 a, int64_t n, float fill) {
+  return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), first16(n), a.v)};
+}
 inline V16 keepz16(V16 a, int64_t n) { return {_mm512_maskz_mov_ps(first16(n), a.v)}; }
 #else
 struct V16 {
@@ -99,6 +101,8 @@ inline V16 keepz16(V16 a, int64_t n) {
 }
 #endif
 
+// RG query rows (pre-scaled q, [RG][D]), the last key index each may see (inclusive), over the key tiles of
+// one KV head (kt: [tile][D][16], zero past the context) and its V rows (v + offsets[t]); out[r] gets row r.
 template <int DV, int RG>
 void attend_rows(const float* q, const int64_t* limit, const float* kt, const float* v, const int64_t* offsets,
                  float* const* out) {
