@@ -888,8 +888,9 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   auto over_experts = [&](int64_t N, auto&& fn) {
     constexpr int64_t ROW_COST_OF_BLOCK = 8;
     const int64_t nblocks = (N + NB - 1) / NB;
+    auto unit_cost = [&](int64_t e) { return start[e + 1] - start[e] + ROW_COST_OF_BLOCK; };
     int64_t total_cost = 0;
-    for (int64_t e : active) total_cost += (start[e + 1] - start[e] + ROW_COST_OF_BLOCK) * nblocks;
+    for (int64_t e : active) total_cost += unit_cost(e) * nblocks;
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nact * nblocks));
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t part = p0; part < p1; ++part) {
@@ -897,7 +898,7 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
         const int64_t lo = total_cost * part / parts, hi = total_cost * (part + 1) / parts;
         int64_t before = 0;
         for (int64_t i = 0; i < nact && before < hi; ++i) {
-          const int64_t e = active[i], unit = start[e + 1] - start[e] + ROW_COST_OF_BLOCK;
+          const int64_t e = active[i], unit = unit_cost(e);
           const int64_t end = before + unit * nblocks;
           if (end > lo) {  // units b with lo <= before + b * unit < hi
             const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);

@@ -45,12 +45,11 @@ inline V16 sub16(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V16 exp_16(V16 a) { return {kvferry_cpu::exp16(a.v)}; }
 inline float max16(V16 a) { return _mm512_reduce_max_ps(a.v); }
 inline float sum16(V16 a) { return _mm512_reduce_add_ps(a.v); }
-inline __mmask16 first16(int64_t n) { return n >= KT ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-// lanes < n keep a, the others get `fill` (or 0)
-inline V16 keep16(V16 a, int64_t n, float fill) {
-  return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), first16(n), a.v)};
-}
-inline V16 keepz16(V16 a, int64_t n) { return {_mm512_maskz_mov_ps(first16(n), a.v)}; }
+using M16 = __mmask16;  // a lane mask
+inline M16 first16(int64_t n) { return n >= KT ? (M16)0xFFFF : (M16)((1u << n) - 1); }
+// lanes in m keep a, the others get `fill` (or 0)
+inline V16 keep16(V16 a, M16 m, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), m, a.v)}; }
+inline V16 keepz16(V16 a, M16 m) { return {_mm512_maskz_mov_ps(m, a.v)}; }
 #else
 struct V16 {
   __m256 lo, hi;
@@ -81,24 +80,21 @@ inline float sum16(V16 a) {
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
-// lane masks of the first n lanes (all ones / zero), as floats
-inline void first16(int64_t n, __m256& lo, __m256& hi) {
+struct M16 {  // a lane mask: all ones / zero per float lane
+  __m256 lo, hi;
+};
+inline M16 first16(int64_t n) {
   const __m256 idx = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   const __m256 limit = _mm256_set1_ps(static_cast<float>(std::min<int64_t>(n, KT)));
-  lo = _mm256_cmp_ps(idx, limit, _CMP_LT_OQ);
-  hi = _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_set1_ps(8.f)), limit, _CMP_LT_OQ);
+  return {_mm256_cmp_ps(idx, limit, _CMP_LT_OQ),
+          _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_set1_ps(8.f)), limit, _CMP_LT_OQ)};
 }
-inline V16 keep16(V16 a, int64_t n, float fill) {
-  __m256 lo, hi;
-  first16(n, lo, hi);
+// lanes in m keep a, the others get `fill` (or 0)
+inline V16 keep16(V16 a, M16 m, float fill) {
   const __m256 f = _mm256_set1_ps(fill);
-  return {_mm256_blendv_ps(f, a.lo, lo), _mm256_blendv_ps(f, a.hi, hi)};
+  return {_mm256_blendv_ps(f, a.lo, m.lo), _mm256_blendv_ps(f, a.hi, m.hi)};
 }
-inline V16 keepz16(V16 a, int64_t n) {
-  __m256 lo, hi;
-  first16(n, lo, hi);
-  return {_mm256_and_ps(a.lo, lo), _mm256_and_ps(a.hi, hi)};
-}
+inline V16 keepz16(V16 a, M16 m) { return {_mm256_and_ps(a.lo, m.lo), _mm256_and_ps(a.hi, m.hi)}; }
 #endif
 
 // RG query rows (pre-scaled q, [RG][D]), the last key index each may see (inclusive), over the key tiles of
@@ -131,7 +127,8 @@ void attend_rows(const float* q, const int64_t* limit, const float* kt, const fl
         store16(p[r], zero16());
         continue;
       }
-      const V16 sv = keep16(s[r], visible, -INFINITY);
+      const M16 valid = first16(visible);
+      const V16 sv = keep16(s[r], valid, -INFINITY);
       const float high = max16(sv);
       if (high > peak[r]) {  // rescale what was summed under the old peak
         const V16 corr = set16(std::exp(peak[r] - high));
@@ -139,7 +136,7 @@ void attend_rows(const float* q, const int64_t* limit, const float* kt, const fl
         total[r] = mul16(total[r], corr);
         peak[r] = high;
       }
-      const V16 e = keepz16(exp_16(sub16(sv, set16(peak[r]))), visible);
+      const V16 e = keepz16(exp_16(sub16(sv, set16(peak[r]))), valid);
       total[r] = add16(total[r], e);
       store16(p[r], e);
     }
