@@ -128,6 +128,12 @@ def int8_dot() -> bool:
     return load() and ops().has_int8_dot()
 
 
+def int8_act_qmax() -> int:
+    """The loaded kernels' int8 activation range [-q, q]: 127 with vpdpbusd, 63 in the AVX2 loop (7-bit
+    activations, so vpmaddubsw's 16-bit pair sums cannot saturate; see `cpu/int8_gemm.h`)."""
+    return int(ops().int8_act_qmax()) if load() else 127
+
+
 def isa() -> str:
     """The instruction sets the kernels were built for, for logs and benchmark lines."""
     return "+".join(

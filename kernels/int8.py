@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float rows [M, K] -> (int8 [M, K], float32 scales [M]): scale = max |x| / 127 (0 for a zero row),
-    q = round_half_even(x * (127 / max |x|)), computed in float32."""
+def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """float rows [M, K] -> (int8 [M, K], float32 scales [M]): scale = max |x| / qmax (0 for a zero row),
+    q = round_half_even(x * (qmax / max |x|)), computed in float32. qmax 127 everywhere but the AVX2 CPU
+    kernels' activations (63: `cpu.int8_act_qmax`)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, float(qmax) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
-    return q, amax / 127.0
+    return q, amax / float(qmax)
 
 
 # int8 KV cache (`--kv-cache-dtype int8`): each cached K or V row of one head is D int8 values followed by

@@ -52,10 +52,11 @@ def _w8a8_kernel(
     )
 
 
-def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (float) @ q [K, N] int8 with channel scales [N] -> [M, N] in x's dtype."""
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, act_qmax: int = 127) -> torch.Tensor:
+    """x [M, K] (float) @ q [K, N] int8 with channel scales [N] -> [M, N] in x's dtype; x's rows quantized
+    to [-act_qmax, act_qmax]."""
     assert q.dtype == torch.int8 and q.dim() == 2 and x.shape[-1] == q.shape[0], (x.shape, q.shape, q.dtype)
-    xq, xs = quantize_rows(x)
+    xq, xs = quantize_rows(x, act_qmax)
     M, K = xq.shape
     N = q.shape[1]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)

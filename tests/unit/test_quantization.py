@@ -45,6 +45,10 @@ def test_quantize_rows_and_reference():
     assert (out[2] == 0).all()
     rel = (out - x @ w).norm() / (x @ w).norm()
     assert rel < 0.03  # 8-bit both sides: about 1% error
+    q7, s7 = quant.quantize_rows(x, 63)  # the AVX2 kernels' 7-bit activations
+    assert int(q7.abs().max()) == 63 and torch.allclose(s7 * 63, s * 127)
+    rel7 = (quant.w8a8_linear(x, *quant.quantize_weight(w), 63) - x @ w).norm() / (x @ w).norm()
+    assert rel < rel7 < 0.04
 
 
 @needs_kernels
@@ -54,7 +58,8 @@ def test_int8_packed_linear_is_the_reference_bit_for_bit(m, k, n):
     x, w = randn(m, k), randn(k, n)
     packed = pack(w, int8=True)
     assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k // 4 + 2, 64)
-    assert torch.equal(linear(x, packed), quant.w8a8_linear(x, *quant.quantize_weight(w)))
+    ref = quant.w8a8_linear(x, *quant.quantize_weight(w), cpu.int8_act_qmax())
+    assert torch.equal(linear(x, packed), ref)
 
 
 @needs_kernels
@@ -83,11 +88,18 @@ from kvferry.kernels import cpu
 from kvferry.model import quant
 from kvferry.model.layers import linear, pack
 assert cpu.load() and not cpu.int8_dot() and not cpu.bf16_dot(), cpu.isa()
+assert cpu.int8_act_qmax() == 63  # 7-bit activations: vpmaddubsw's pair sums stay within int16
 g = torch.Generator().manual_seed(1)
-for m, k, n in [(1, 64, 48), (7, 96, 40), (40, 512, 100)]:
-    x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    ref = quant.w8a8_linear(x, *quant.quantize_weight(w))
-    assert torch.equal(linear(x, pack(w, int8=True)), ref), (m, k, n)
+shapes = [(1, 64, 48), (7, 96, 40), (40, 512, 100)]
+cases = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
+# the largest pair sums: every activation at +-63 (stored 127 or 1) against weights at +-127
+ones = torch.ones(5, 64)
+ones[1] = -1
+ones[2, ::2] = -1
+cases.append((ones, torch.cat([torch.ones(64, 8), -torch.ones(64, 8), torch.randn(64, 8, generator=g)], 1)))
+for x, w in cases:
+    ref = quant.w8a8_linear(x, *quant.quantize_weight(w), 63)
+    assert torch.equal(linear(x, pack(w, int8=True)), ref), tuple(x.shape) + tuple(w.shape)
 print("avx2 int8 ok")
 """
 

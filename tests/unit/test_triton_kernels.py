@@ -264,3 +264,5 @@ def test_w8a8_linear_is_the_reference_bit_for_bit(m, k, n):
     x = torch.randn(m, k, generator=gen)
     q, scale = quant.quantize_weight(torch.randn(k, n, generator=gen))
     assert torch.equal(triton_w8a8.w8a8_linear(x, q, scale), quant.w8a8_linear(x, q, scale))
+    # 7-bit activations (what the torch path on an AVX2-only CPU host takes, to match its C++ kernels)
+    assert torch.equal(triton_w8a8.w8a8_linear(x, q, scale, 63), quant.w8a8_linear(x, q, scale, 63))
