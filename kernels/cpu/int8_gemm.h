@@ -25,11 +25,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace kvferry_cpu {
 
 constexpr int64_t I8_NB = 16;  // columns per packed block
+
+// Prefill GEMMs run every row tile over a column block while it sits in cache; the first tile over a block
+// also prefetches the next block's bytes into L2 (one line per weight row it reads), so the next block does
+// not start by waiting on L3 or DRAM (a stacked expert weight's next block too: the MoE runs units in
+// order). Decode's few rows read each block once, in order, which the hardware prefetcher follows.
+// KVFERRY_NO_PREFETCH=1 turns it off (for A/B timing).
+inline const char* next_block(const void* p) {
+  static const bool off = std::getenv("KVFERRY_NO_PREFETCH") != nullptr;
+  return off ? nullptr : static_cast<const char*>(p);
+}
 
 using act_t = uint8_t;  // activation rows are stored as q + I8_OFFSET (unsigned x signed products)
 #ifdef KVFERRY_AVX512VNNI
@@ -78,7 +89,7 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, act
 // out[r, 16c : 16c + 16] for r < R, c < C: the C blocks follow each other from w (stride i8_block_bytes)
 template <int R, int C>
 inline void tile_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out, int64_t ldo,
-                    int64_t N) {
+                    int64_t N, const char* next = nullptr) {
   __m512i acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -90,6 +101,9 @@ inline void tile_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w
     __m512i wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + p * 64);
+    if (next)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) _mm_prefetch(next + c * stride + p * 64, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_set1_epi32(xp[r * quads + p]);
@@ -125,16 +139,16 @@ void few_rows_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w, i
 constexpr int I8_MB = 8;  // rows per tile past 8 rows: 8 x 2 accumulators
 
 inline void tile_rows_i8(int64_t rows, const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out,
-                         int64_t ldo, int64_t N) {
+                         int64_t ldo, int64_t N, const char* next) {
   switch (rows) {
-    case 1: return tile_i8<1, 2>(xq, xs, K, w, out, ldo, N);
-    case 2: return tile_i8<2, 2>(xq, xs, K, w, out, ldo, N);
-    case 3: return tile_i8<3, 2>(xq, xs, K, w, out, ldo, N);
-    case 4: return tile_i8<4, 2>(xq, xs, K, w, out, ldo, N);
-    case 5: return tile_i8<5, 2>(xq, xs, K, w, out, ldo, N);
-    case 6: return tile_i8<6, 2>(xq, xs, K, w, out, ldo, N);
-    case 7: return tile_i8<7, 2>(xq, xs, K, w, out, ldo, N);
-    default: return tile_i8<I8_MB, 2>(xq, xs, K, w, out, ldo, N);
+    case 1: return tile_i8<1, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 2: return tile_i8<2, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 3: return tile_i8<3, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 4: return tile_i8<4, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 5: return tile_i8<5, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 6: return tile_i8<6, 2>(xq, xs, K, w, out, ldo, N, next);
+    case 7: return tile_i8<7, 2>(xq, xs, K, w, out, ldo, N, next);
+    default: return tile_i8<I8_MB, 2>(xq, xs, K, w, out, ldo, N, next);
   }
 }
 
@@ -155,10 +169,12 @@ inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t 
   }
   const int64_t block = i8_block_bytes(K);
   int64_t j = b0;
-  for (; j + 2 <= b1; j += 2)
+  for (; j + 2 <= b1; j += 2) {
+    const char* next = next_block(w + (j + 2) * block);
     for (int64_t m0 = 0; m0 < M; m0 += I8_MB)
       tile_rows_i8(std::min<int64_t>(I8_MB, M - m0), xq + m0 * K, xs + m0, K, w + j * block,
-                   out + m0 * ldo + j * I8_NB, ldo, N - j * I8_NB);
+                   out + m0 * ldo + j * I8_NB, ldo, N - j * I8_NB, m0 ? nullptr : next);
+  }
   for (; j < b1; ++j)
     for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
       const int64_t rows = std::min<int64_t>(I8_MB, M - m0);
@@ -184,7 +200,7 @@ inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t 
 // out[r, 0:16] for r < R over one block: each 64-byte row of the block is two halves of 8 columns
 template <int R>
 inline void tile_i8_avx2(const act_t* xq, const float* xs, int64_t K, const int8_t* w, float* out, int64_t ldo,
-                         int64_t ncols) {
+                         int64_t ncols, const char* next) {
   __m256i lo[R], hi[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -194,6 +210,7 @@ inline void tile_i8_avx2(const act_t* xq, const float* xs, int64_t K, const int8
   for (int64_t p = 0; p < quads; ++p) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
+    if (next) _mm_prefetch(next + p * 64, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       // four unsigned activation bytes (<= 127) x four signed weights: pair sums <= 32258, no saturation
@@ -230,14 +247,17 @@ inline void gemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t 
   const int64_t block = i8_block_bytes(K);
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(I8_NB, N - j * I8_NB);
+    const char* after = next_block(w + (j + 1) * block);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const act_t* xr = xq + m0 * K;
       float* o = out + m0 * ldo + j * I8_NB;
+      const int8_t* wb = w + j * block;
+      const char* next = m0 ? nullptr : after;
       switch (std::min<int64_t>(4, M - m0)) {
-        case 1: tile_i8_avx2<1>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
-        case 2: tile_i8_avx2<2>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
-        case 3: tile_i8_avx2<3>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
-        default: tile_i8_avx2<4>(xr, xs + m0, K, w + j * block, o, ldo, ncols); break;
+        case 1: tile_i8_avx2<1>(xr, xs + m0, K, wb, o, ldo, ncols, next); break;
+        case 2: tile_i8_avx2<2>(xr, xs + m0, K, wb, o, ldo, ncols, next); break;
+        case 3: tile_i8_avx2<3>(xr, xs + m0, K, wb, o, ldo, ncols, next); break;
+        default: tile_i8_avx2<4>(xr, xs + m0, K, wb, o, ldo, ncols, next); break;
       }
     }
   }

@@ -58,13 +58,15 @@ inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
 // out[m, 0:16] = x[m, :] . w[:, 0:16] for m < R; w: one packed block [K, 16]. The accumulators are named
 // variables (not an array) so that they stay in registers.
 template <int R, typename T>
-inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
+inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo, int64_t ncols,
+                 const char* next = nullptr) {
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
          a5 = a0, b5 = a0;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load16(w + k * NB, w0, w1);
+    if (next) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
     __m256 xb = _mm256_broadcast_ss(x0 + k);
     a0 = _mm256_fmadd_ps(xb, w0, a0);
     b0 = _mm256_fmadd_ps(xb, w1, b0);
@@ -104,14 +106,14 @@ inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out,
 
 template <typename T>
 void tile_rows(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo,
-               int64_t ncols) {
+               int64_t ncols, const char* next = nullptr) {
   switch (rows) {
-    case 1: return tile<1>(x, ldx, w, K, out, ldo, ncols);
-    case 2: return tile<2>(x, ldx, w, K, out, ldo, ncols);
-    case 3: return tile<3>(x, ldx, w, K, out, ldo, ncols);
-    case 4: return tile<4>(x, ldx, w, K, out, ldo, ncols);
-    case 5: return tile<5>(x, ldx, w, K, out, ldo, ncols);
-    default: return tile<MB>(x, ldx, w, K, out, ldo, ncols);
+    case 1: return tile<1>(x, ldx, w, K, out, ldo, ncols, next);
+    case 2: return tile<2>(x, ldx, w, K, out, ldo, ncols, next);
+    case 3: return tile<3>(x, ldx, w, K, out, ldo, ncols, next);
+    case 4: return tile<4>(x, ldx, w, K, out, ldo, ncols, next);
+    case 5: return tile<5>(x, ldx, w, K, out, ldo, ncols, next);
+    default: return tile<MB>(x, ldx, w, K, out, ldo, ncols, next);
   }
 }
 
@@ -127,10 +129,12 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
     const T* block = w + j * K * NB;
+    const char* next = kvferry_cpu::next_block(block + K * NB);
     if (widen_once) {
       for (int64_t k = 0; k < K; ++k) {
         __m256 lo, hi;
         load16(block + k * NB, lo, hi);
+        if (next) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
         _mm256_storeu_ps(wide.data() + k * NB, lo);
         _mm256_storeu_ps(wide.data() + k * NB + 8, hi);
       }
@@ -140,7 +144,7 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
       if (widen_once)
         tile_rows(rows, x + m0 * ldx, ldx, wide.data(), K, out + m0 * ldo + j * NB, ldo, ncols);
       else
-        tile_rows(rows, x + m0 * ldx, ldx, block, K, out + m0 * ldo + j * NB, ldo, ncols);
+        tile_rows(rows, x + m0 * ldx, ldx, block, K, out + m0 * ldo + j * NB, ldo, ncols, m0 ? nullptr : next);
     }
   }
 }
@@ -175,7 +179,8 @@ void to_bf16_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* 
 // blocks at once so that the dot-product latency hides; each output still sums its k pairs in order, so a
 // row's result is the same whatever the tile.
 template <int R, int C>
-inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo, int64_t N) {
+inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo, int64_t N,
+                      const char* next = nullptr) {
   __m512 acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -187,6 +192,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* 
     __m512bh wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * stride + p * 32);
+    if (next) _mm_prefetch(next + p * 64, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
@@ -204,16 +210,16 @@ inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* 
 }
 
 void tile_rows_bf16(int64_t rows, const uint16_t* xb, int64_t Kp, const uint16_t* w, float* out, int64_t ldo,
-                    int64_t N) {
+                    int64_t N, const char* next) {
   switch (rows) {
-    case 1: return tile_bf16<1, 1>(xb, Kp, w, out, ldo, N);
-    case 2: return tile_bf16<2, 1>(xb, Kp, w, out, ldo, N);
-    case 3: return tile_bf16<3, 1>(xb, Kp, w, out, ldo, N);
-    case 4: return tile_bf16<4, 1>(xb, Kp, w, out, ldo, N);
-    case 5: return tile_bf16<5, 1>(xb, Kp, w, out, ldo, N);
-    case 6: return tile_bf16<6, 1>(xb, Kp, w, out, ldo, N);
-    case 7: return tile_bf16<7, 1>(xb, Kp, w, out, ldo, N);
-    default: return tile_bf16<MBW, 1>(xb, Kp, w, out, ldo, N);
+    case 1: return tile_bf16<1, 1>(xb, Kp, w, out, ldo, N, next);
+    case 2: return tile_bf16<2, 1>(xb, Kp, w, out, ldo, N, next);
+    case 3: return tile_bf16<3, 1>(xb, Kp, w, out, ldo, N, next);
+    case 4: return tile_bf16<4, 1>(xb, Kp, w, out, ldo, N, next);
+    case 5: return tile_bf16<5, 1>(xb, Kp, w, out, ldo, N, next);
+    case 6: return tile_bf16<6, 1>(xb, Kp, w, out, ldo, N, next);
+    case 7: return tile_bf16<7, 1>(xb, Kp, w, out, ldo, N, next);
+    default: return tile_bf16<MBW, 1>(xb, Kp, w, out, ldo, N, next);
   }
 }
 
@@ -245,10 +251,12 @@ void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t*
     default: break;
   }
   const int64_t block = Kp * NB;
-  for (int64_t j = b0; j < b1; ++j)
+  for (int64_t j = b0; j < b1; ++j) {
+    const char* next = kvferry_cpu::next_block(w + (j + 1) * block);
     for (int64_t m0 = 0; m0 < M; m0 += MBW)
       tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB, ldo,
-                     N - j * NB);
+                     N - j * NB, m0 ? nullptr : next);
+  }
 }
 
 #endif
