@@ -2,9 +2,9 @@
 register-only loops of each inner-loop instruction sequence the C++ kernels use, one core, same run.
 
 - AVX2: float32 FMA (`vfmadd231ps`, 8 multiply-adds) against the int8 loop of `kernels/cpu/int8_gemm.h`
-  (`vpabsb`, `vpsignb`, `vpmaddubsw`, `vpmaddwd` by ones, `vpaddd`: 32 multiply-adds, exact for s8 x s8) and
-  the unsigned-activation loop it does not use (`vpmaddubsw` on u8 x s8, which saturates past 7-bit
-  activations);
+  (`vpmaddubsw` on unsigned 7-bit activations x signed weights, `vpmaddwd` by ones, `vpaddd`: 32
+  multiply-adds) and the 8-bit signed loop it replaced (`vpabsb` and `vpsignb` first, so that s8 x s8 is
+  exact: `signed_int8`);
 - AVX-512 (where the CPU has AVX512-BF16 and AVX512-VNNI): bf16 `vdpbf16ps` (32 multiply-adds) against
   `vpdpbusd` (64).
 
@@ -158,8 +158,8 @@ def main() -> None:
     args = ap.parse_args()
     avx512 = has_avx512_bf16() and has_avx512_vnni()
     ext = build(avx512)
-    loops = {"f32_fma": lambda s: ext.f32_fma(s), "i8_avx2": lambda s: ext.i8_avx2(s, False)}
-    loops["u8_avx2"] = lambda s: ext.i8_avx2(s, True)
+    loops = {"f32_fma": lambda s: ext.f32_fma(s), "i8_avx2": lambda s: ext.i8_avx2(s, True)}
+    loops["signed_i8_avx2"] = lambda s: ext.i8_avx2(s, False)
     if avx512:
         loops |= {"bf16_dot": ext.bf16_dot, "i8_vnni": ext.i8_vnni}
     torch.set_num_threads(1)
@@ -169,7 +169,7 @@ def main() -> None:
         "cpu_flags": reported_cpu_flags(),
         "gmacs_one_core": gmacs,
         "avx2_int8_vs_f32": round(gmacs["i8_avx2"] / gmacs["f32_fma"], 3),
-        "avx2_unsigned_int8_vs_f32": round(gmacs["u8_avx2"] / gmacs["f32_fma"], 3),
+        "avx2_signed_int8_vs_f32": round(gmacs["signed_i8_avx2"] / gmacs["f32_fma"], 3),
     }
     if avx512:
         result["vnni_int8_vs_bf16"] = round(gmacs["i8_vnni"] / gmacs["bf16_dot"], 3)

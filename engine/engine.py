@@ -43,7 +43,7 @@ from kvferry.model.config import (
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.parallel import Parallel
-from kvferry.model.quant import QuantizationError, check_quantization
+from kvferry.model.quant import QuantizationError, act_qmax, check_quantization
 from kvferry.model.sampler import Sampled
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
@@ -203,6 +203,9 @@ class LLMEngine:
         numerics = str(self.dtype) if self.kv_dtype == self.dtype else f"{self.dtype}/kv-{self.kv_dtype}"
         if self.quantization:  # int8 weights make other KV: their blocks never mix with the dtype's
             numerics += f"/w-{self.quantization}"
+            qmax = act_qmax(self.device)
+            if qmax != 127:  # an AVX2-only CPU's 7-bit activations: other KV again
+                numerics += f"/a{qmax}"
         fingerprint = model_fingerprint(self.checkpoint_id, numerics)
         self.fingerprint = fingerprint
         self.block_manager = BlockManager(num_blocks, cfg.block_size, fingerprint, cfg.enable_prefix_caching)

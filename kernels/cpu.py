@@ -129,9 +129,13 @@ def int8_dot() -> bool:
 
 
 def int8_act_qmax() -> int:
-    """The loaded kernels' int8 activation range [-q, q]: 127 with vpdpbusd, 63 in the AVX2 loop (7-bit
-    activations, so vpmaddubsw's 16-bit pair sums cannot saturate; see `cpu/int8_gemm.h`)."""
-    return int(ops().int8_act_qmax()) if load() else 127
+    """The int8 activation range [-q, q] of this host's kernels, from its flags (nothing is built): 127
+    with vpdpbusd (AVX512-VNNI), 63 in the AVX2 loop (7-bit activations, so vpmaddubsw's 16-bit pair sums
+    cannot saturate; see `cpu/int8_gemm.h`), 127 where the kernels cannot run. The torch path on a CPU
+    takes it too (`quant.act_qmax`), and the KV fingerprint records it where it is not 127."""
+    if not supported():
+        return 127
+    return 127 if has_avx512_vnni() else 63
 
 
 def isa() -> str:

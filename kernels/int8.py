@@ -12,7 +12,9 @@ def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch
     kernels' activations (63: `cpu.int8_act_qmax`)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, float(qmax) / amax, torch.zeros_like(amax))
+    # qmax / amax as one float32 division, as the C++ kernels compute it (`float / tensor` in torch is
+    # reciprocal(amax) * qmax: two roundings, an ulp off in about a quarter of the rows)
+    inv = torch.where(amax > 0, torch.full_like(amax, float(qmax)) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv.unsqueeze(-1)).to(torch.int8)
     return q, amax / float(qmax)
 

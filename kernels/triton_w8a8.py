@@ -4,7 +4,8 @@ channel), int32 accumulation, float32 scales applied once per output.
 `w8a8_linear(x, q, scale)` quantizes x's rows (`int8.quantize_rows`: torch ops, one amax, one
 multiply and round per row), then one kernel launch computes out[m, n] = float(sum_k xq[m, k] q[k, n]) *
 (xs[m] * scale[n]). The integer sums are exact, so the result equals the torch reference
-(`quant.w8a8_linear`) and the CPU kernels bit for bit; tests run it under TRITON_INTERPRET=1 on CPU.
+(`quant.w8a8_linear`) bit for bit at the same activation range (`act_qmax`: 127 on CUDA; the CPU kernels
+take 127 with AVX512-VNNI, 63 on AVX2-only CPUs); tests run it under TRITON_INTERPRET=1 on CPU.
 """
 
 from __future__ import annotations

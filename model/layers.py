@@ -27,10 +27,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ int8 q [K, N] with channel scales, activations quantized per row (model/quant.py); on a
-    CPU to the range the C++ kernels use on this host (`quant.cpu_act_qmax`), so every path agrees."""
+    CPU to the range the C++ kernels use on this host (`quant.act_qmax`), so every path agrees."""
     from kvferry.kernels.select import triton_runs_on
 
-    qmax = quant.cpu_act_qmax() if x.device.type == "cpu" else 127
+    qmax = quant.act_qmax(x.device)
     if triton_runs_on(x.device):
         from kvferry.kernels import triton_w8a8
 

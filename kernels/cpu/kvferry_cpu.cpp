@@ -66,7 +66,7 @@ inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out,
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load16(w + k * NB, w0, w1);
-    if (next) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
+    if (next && (k * NB * sizeof(T)) % 64 == 0) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
     __m256 xb = _mm256_broadcast_ss(x0 + k);
     a0 = _mm256_fmadd_ps(xb, w0, a0);
     b0 = _mm256_fmadd_ps(xb, w1, b0);
@@ -129,12 +129,12 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
   for (int64_t j = b0; j < b1; ++j) {
     const int64_t ncols = std::min<int64_t>(NB, N - j * NB);
     const T* block = w + j * K * NB;
-    const char* next = kvferry_cpu::next_block(block + K * NB);
+    const char* next = kvferry_cpu::next_block(block + K * NB, j + 1 < b1 && M > MB);
     if (widen_once) {
       for (int64_t k = 0; k < K; ++k) {
         __m256 lo, hi;
         load16(block + k * NB, lo, hi);
-        if (next) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
+        if (next && (k * NB * sizeof(T)) % 64 == 0) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
         _mm256_storeu_ps(wide.data() + k * NB, lo);
         _mm256_storeu_ps(wide.data() + k * NB + 8, hi);
       }
@@ -252,7 +252,7 @@ void gemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t*
   }
   const int64_t block = Kp * NB;
   for (int64_t j = b0; j < b1; ++j) {
-    const char* next = kvferry_cpu::next_block(w + (j + 1) * block);
+    const char* next = kvferry_cpu::next_block(w + (j + 1) * block, j + 1 < b1);
     for (int64_t m0 = 0; m0 < M; m0 += MBW)
       tile_rows_bf16(std::min<int64_t>(MBW, M - m0), xb + m0 * Kp, Kp, w + j * block, out + m0 * ldo + j * NB, ldo,
                      N - j * NB, m0 ? nullptr : next);

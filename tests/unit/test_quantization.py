@@ -53,13 +53,35 @@ def test_quantize_rows_and_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 8, 9, 13, 40])
-@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (256, 100)])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 40), (512, 8), (256, 100), (36, 20), (100, 70)])
 def test_int8_packed_linear_is_the_reference_bit_for_bit(m, k, n):
     x, w = randn(m, k), randn(k, n)
     packed = pack(w, int8=True)
     assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k // 4 + 2, 64)
     ref = quant.w8a8_linear(x, *quant.quantize_weight(w), cpu.int8_act_qmax())
     assert torch.equal(linear(x, packed), ref)
+
+
+@needs_kernels
+def test_int8_act_range_is_the_kernels_and_a_nan_row_stays_nan():
+    # the range the torch path and the fingerprint take (from the flags) is the loaded build's
+    assert cpu.int8_act_qmax() == cpu.ops().int8_act_qmax() == (127 if cpu.int8_dot() else 63)
+    x, w = randn(3, 100), randn(100, 24)
+    x[1, 97] = float("nan")  # in the scalar tail of the row's quantization
+    out = linear(x, pack(w, int8=True))
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_fingerprint_records_a_7bit_activation_range(tiny_model_dir, monkeypatch):
+    """int8 KV made with 7-bit activations (an AVX2-only CPU) never matches 8-bit activations' KV."""
+    from kvferry.engine import engine as engine_mod
+
+    def fingerprint(qmax):
+        monkeypatch.setattr(engine_mod, "act_qmax", lambda device: qmax)
+        cfg = EngineConfig(model=str(tiny_model_dir), kernels="torch", quantization="int8", max_model_len=256)
+        return engine_mod.LLMEngine(cfg).fingerprint
+
+    assert fingerprint(63) != fingerprint(127)
 
 
 @needs_kernels
@@ -90,7 +112,7 @@ from kvferry.model.layers import linear, pack
 assert cpu.load() and not cpu.int8_dot() and not cpu.bf16_dot(), cpu.isa()
 assert cpu.int8_act_qmax() == 63  # 7-bit activations: vpmaddubsw's pair sums stay within int16
 g = torch.Generator().manual_seed(1)
-shapes = [(1, 64, 48), (7, 96, 40), (40, 512, 100)]
+shapes = [(1, 64, 48), (7, 96, 40), (40, 512, 100), (9, 36, 20), (13, 100, 70)]
 cases = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
 # the largest pair sums: every activation at +-63 (stored 127 or 1) against weights at +-127
 ones = torch.ones(5, 64)
@@ -100,6 +122,10 @@ cases.append((ones, torch.cat([torch.ones(64, 8), -torch.ones(64, 8), torch.rand
 for x, w in cases:
     ref = quant.w8a8_linear(x, *quant.quantize_weight(w), 63)
     assert torch.equal(linear(x, pack(w, int8=True)), ref), tuple(x.shape) + tuple(w.shape)
+x = torch.randn(2, 100, generator=g)
+x[0, 3] = float("nan")
+out = linear(x, pack(torch.randn(100, 24, generator=g), int8=True))
+assert out[0].isnan().all() and not out[1].isnan().any()
 print("avx2 int8 ok")
 """
 
