@@ -7,7 +7,8 @@
 // compensations OFFSET * sum_k w[k, col] (the activations' unsigned offset, below). Padding columns are zero.
 //
 // Activations: q = round_half_even(x * (QMAX / amax(|x row|))) in [-QMAX, QMAX], scale amax / QMAX (0 for a
-// zero row), stored unsigned as q + OFFSET; the compensation row takes the offset's products back out. Two inner loops, chosen at build time:
+// zero row), stored unsigned as q + OFFSET; the compensation row takes the offset's products back out. Two
+// inner loops, chosen at build time:
 // - AVX512-VNNI: vpdpbusd (unsigned x signed bytes, 64 multiply-adds per instruction into int32);
 //   QMAX 127, OFFSET 128.
 // - AVX2: vpmaddubsw (unsigned x signed bytes, pairs summed into int16 with saturation), then vpmaddwd by
