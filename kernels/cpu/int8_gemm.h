@@ -48,6 +48,12 @@ inline const char* next_block(const void* p, bool wanted) {
   return off || !wanted ? nullptr : static_cast<const char*>(p);
 }
 
+// the loop side of it: the line at `offset` bytes into the next block, into L2, once per 64-byte line (a
+// loop reading 32-byte rows passes every offset; only the line starts are fetched)
+inline void prefetch_next(const char* next, int64_t offset) {
+  if (next && offset % 64 == 0) _mm_prefetch(next + offset, _MM_HINT_T1);
+}
+
 using act_t = uint8_t;  // activation rows are stored as q + I8_OFFSET (unsigned x signed products)
 #ifdef KVFERRY_AVX512VNNI
 constexpr int32_t I8_ACT_QMAX = 127, I8_OFFSET = 128;
@@ -120,9 +126,8 @@ inline void tile_i8(const act_t* xq, const float* xs, int64_t K, const int8_t* w
     __m512i wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + p * 64);
-    if (next)
 #pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) _mm_prefetch(next + c * stride + p * 64, _MM_HINT_T1);
+    for (int c = 0; c < C; ++c) prefetch_next(next, c * stride + p * 64);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_set1_epi32(xp[r * quads + p]);
@@ -229,7 +234,7 @@ inline void tile_i8_avx2(const act_t* xq, const float* xs, int64_t K, const int8
   for (int64_t p = 0; p < quads; ++p) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
-    if (next) _mm_prefetch(next + p * 64, _MM_HINT_T1);
+    prefetch_next(next, p * 64);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       // four unsigned activation bytes (<= 127) x four signed weights: pair sums <= 32258, no saturation

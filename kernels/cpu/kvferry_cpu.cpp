@@ -66,7 +66,7 @@ inline void tile(const float* x, int64_t ldx, const T* w, int64_t K, float* out,
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load16(w + k * NB, w0, w1);
-    if (next && (k * NB * sizeof(T)) % 64 == 0) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
+    kvferry_cpu::prefetch_next(next, k * NB * sizeof(T));
     __m256 xb = _mm256_broadcast_ss(x0 + k);
     a0 = _mm256_fmadd_ps(xb, w0, a0);
     b0 = _mm256_fmadd_ps(xb, w1, b0);
@@ -134,7 +134,7 @@ void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, 
       for (int64_t k = 0; k < K; ++k) {
         __m256 lo, hi;
         load16(block + k * NB, lo, hi);
-        if (next && (k * NB * sizeof(T)) % 64 == 0) _mm_prefetch(next + k * NB * sizeof(T), _MM_HINT_T1);
+        kvferry_cpu::prefetch_next(next, k * NB * sizeof(T));
         _mm256_storeu_ps(wide.data() + k * NB, lo);
         _mm256_storeu_ps(wide.data() + k * NB + 8, hi);
       }
@@ -192,7 +192,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t Kp, const uint16_t* w, float* 
     __m512bh wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * stride + p * 32);
-    if (next) _mm_prefetch(next + p * 64, _MM_HINT_T1);
+    kvferry_cpu::prefetch_next(next, p * 64);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
