@@ -256,8 +256,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        req = self.make_request(prompt, params, prompt_token_ids, request_id)
+        """Queue a request; returns its id. `priority`: lower values are scheduled first, and a running
+        request of a lower priority may be preempted for it (engine.scheduler)."""
+        req = self.make_request(prompt, params, prompt_token_ids, request_id, priority=priority)
         self.submit(req)
         return req.request_id
 
@@ -283,10 +286,13 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         matcher=None,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenize a request without scheduling it (raises InvalidRequestError).
         `matcher`: its structured output's matcher, compiled by the caller (`grammars`)."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if prompt_token_ids is None:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -295,7 +301,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.states:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, ids, params)
+        req = Request(request_id, ids, params, priority=priority)
         if params.structured is not None:  # (a worker passes one it compiled off the engine thread)
             req.matcher = matcher if matcher is not None else self.grammars.matcher(*params.structured)
         return req

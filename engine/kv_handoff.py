@@ -150,6 +150,9 @@ class KVHandoff:
             "waiting_for_kv": len(s.awaiting_kv),
             "free_blocks": b.num_free_blocks,
             "total_blocks": b.num_blocks,
+            # since start: running requests preempted, and of those the ones for a higher priority
+            "preemptions": s.num_preemptions,
+            "priority_preemptions": s.num_priority_preemptions,
         }
 
 

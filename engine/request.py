@@ -188,6 +188,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first (vLLM's semantics): the scheduler's order, and who is preempted for whom
+    arrival_seq: int = -1  # its arrival at the scheduler (engine.scheduler), kept through preemption
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -36,6 +36,7 @@ class Inflight:
     calls: list = field(default_factory=list)
     release_pool: bool = False  # the pool may still hold the request's private tail block
     cache_salt: str = ""  # mixed into its block keys (engine.block_hash.salt_key)
+    priority: int = 0  # GenerateRequest.priority: lower first, in each worker's queue
     # a request of n sequences (router.sequences): what they share, this one's index, the leader's others
     shared: object | None = None
     index: int = 0
@@ -162,6 +163,7 @@ class Admission:
                 self.metrics.rejected(api, error_code(err).name)
             raise
         handle.cache_salt = request.cache_salt
+        handle.priority = request.priority
         handle.track = self.metrics.track(api, t0)
         return handle
 

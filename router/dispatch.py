@@ -44,6 +44,7 @@ class PrefillDispatch:
             keys=keys,
             looked_up=True,
             pooled=[to_proto(loc) for loc in pooled],
+            priority=handle.priority,
         )
         tried: set[str] = set()
         failed: WorkerFailed | None = None

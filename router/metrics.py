@@ -221,7 +221,14 @@ class ClusterCollector:
             "Draft tokens the target model accepted; over the draft tokens: the acceptance rate.",
             labels=["model_name"],
         )
+        preemptions = CounterMetricFamily(
+            "kvferry:num_preemptions",
+            "Running requests the workers preempted (to be recomputed), since each worker started: for KV "
+            "blocks (`kv_cache`) or for a higher-priority request (`priority`).",
+            labels=["model_name", "reason"],
+        )
         totals = {"running": 0, "waiting": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        totals |= {"preemptions": 0, "priority_preemptions": 0}
         for role, members in d.members.items():
             for member_id, member in list(members.items()):
                 beat = member.beat
@@ -235,8 +242,10 @@ class ClusterCollector:
         waiting.add_metric([name], totals["waiting"])
         drafts.add_metric([name], totals["spec_draft_tokens"])
         accepted.add_metric([name], totals["spec_accepted_tokens"])
+        preemptions.add_metric([name, "priority"], totals["priority_preemptions"])
+        preemptions.add_metric([name, "kv_cache"], totals["preemptions"] - totals["priority_preemptions"])
         for node_id, node in list(d.pool_nodes.items()):
             slots = int(node.beat.get("num_slots", 0))
             if slots:
                 slab.add_metric([name, node_id], 1.0 - int(node.beat.get("free_slots", 0)) / slots)
-        return [running, waiting, usage, slab, drafts, accepted]
+        return [running, waiting, usage, slab, drafts, accepted, preemptions]

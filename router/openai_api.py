@@ -349,7 +349,11 @@ def build_app(router: Router) -> FastAPI:
         # the router tokenizes the rendered text (off the loop, after admission); an unset max_tokens
         # means as many as fit
         req = generate_pb2.GenerateRequest(
-            request_id=f"{rid}-0", text=text, sampling=sampling, cache_salt=body.cache_salt or ""
+            request_id=f"{rid}-0",
+            text=text,
+            sampling=sampling,
+            cache_salt=body.cache_salt or "",
+            priority=body.priority,
         )
         shape = ResponseShape(
             True,

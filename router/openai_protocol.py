@@ -102,6 +102,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM extension
     prompt_logprobs: INT32 | None = None  # vLLM extension
     cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached prefixes
+    priority: INT32 = 0  # vLLM extension: lower first in each worker's queue (may preempt higher values)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -276,7 +277,10 @@ class CompletionRequest(_Common):
         out = []
         for i, prompt in enumerate(self.prompts()):
             req = generate_pb2.GenerateRequest(
-                request_id=f"{request_id}-{i}", sampling=sampling, cache_salt=self.cache_salt or ""
+                request_id=f"{request_id}-{i}",
+                sampling=sampling,
+                cache_salt=self.cache_salt or "",
+                priority=self.priority,
             )
             if isinstance(prompt, str):
                 req.text = prompt

@@ -62,6 +62,7 @@ class StreamRelay:
             sampling=sampling_to_proto(replace(params, stop=(), n=1)),
             prefill_here=True,
             keys=keys,
+            priority=handle.priority,
         )
         async for message in self._relay(handle, decode_req, Relay(req, state, {}, (0, 0), t0)):
             yield message

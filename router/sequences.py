@@ -107,6 +107,7 @@ class Sequences:
         sibling = Inflight(rid, handle.deadline, handle.t0, list(handle.ids), params)
         sibling.track = self.metrics.track(handle.track.api, handle.t0)
         sibling.cache_salt, sibling.shared, sibling.index = handle.cache_salt, shared, index
+        sibling.priority = handle.priority
         self.inflight[rid] = sibling
         return sibling
 

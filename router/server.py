@@ -325,6 +325,7 @@ class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_gr
             blocks=prefill.blocks,
             num_kv_tokens=prefill.num_kv_tokens,
             keys=prompt_keys,
+            priority=handle.priority,
         )
         relay = Relay(req, state, timings, cached_of(prefill), t0)
         async for message in self._relay(handle, decode_req, relay):

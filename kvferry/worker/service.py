@@ -114,6 +114,8 @@ class EngineWorker:
             # speculative decoding since start: draft tokens verified, and those accepted
             "spec_draft_tokens": self.engine.spec_proposed,
             "spec_accepted_tokens": self.engine.spec_accepted,
+            "preemptions": kv["preemptions"],
+            "priority_preemptions": kv["priority_preemptions"],
         }
 
     def new_request(self, request, params, what: str, matcher=None) -> Request:
@@ -123,7 +125,9 @@ class EngineWorker:
         rid = request.request_id
         if self.holds(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already {what}")
-        req = self.engine.make_request(None, params, list(request.prompt_token_ids), rid, matcher)
+        req = self.engine.make_request(
+            None, params, list(request.prompt_token_ids), rid, matcher, priority=request.priority
+        )
         req.salt_key = request.keys.salt_key or None  # a salted request's keys are its own
         if request.keys.fingerprint == self.engine.fingerprint:  # hashed by the router: not again here
             self.engine.kv.adopt_keys(req, request.keys.block_keys)
@@ -222,6 +226,8 @@ class EngineWorker:
             rank=self.group.rank,
             tensor_parallel_size=e.cfg.tensor_parallel_size,
             expert_parallel_size=e.cfg.expert_parallel_size,
+            preemptions=kv["preemptions"],
+            priority_preemptions=kv["priority_preemptions"],
             **extra,
         )
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
-from kvferry.engine.request import SamplingParams
+from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.loader import load_model
 
@@ -132,6 +132,27 @@ def test_after_preemption_and_recompute(checkpoint, prompts, reference):
     engine = make_engine(checkpoint, num_kv_blocks=16, max_model_len=256, enable_prefix_caching=False)
     assert run_all(engine, prompts) == reference
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_priorities_preempt_and_every_output_stays_exact(checkpoint, prompts, reference):
+    """Each later request more urgent than the ones before it (a lower priority value), on a cache and a
+    seat count too small for all: running requests are preempted for higher-priority arrivals and
+    recomputed (from their prefix-cache hits), and every output is still the reference's."""
+    engine = make_engine(checkpoint, num_kv_blocks=16, max_model_len=256, max_num_seqs=3)
+    results: dict[str, list[int]] = {}
+    ids: list[str] = []
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending and (engine.num_steps % 2 == 0 or not engine.has_unfinished()):
+            i, p = pending.pop(0)
+            ids.append(engine.add_request(params=GREEDY, prompt_token_ids=p, priority=len(prompts) - i))
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [results[i] for i in ids] == reference
+    assert engine.scheduler.num_priority_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(InvalidRequestError, match="priority must be an integer"):
+        engine.add_request(params=GREEDY, prompt_token_ids=prompts[0], priority=1.5)
 
 
 def test_cpu_kernels_and_torch_ops_both_match(checkpoint, prompts, reference):

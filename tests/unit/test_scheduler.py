@@ -279,3 +279,119 @@ def test_prompt_with_a_partial_tail_computes_the_tail_after_all_full_blocks():
     assert one.num_cached_tokens == three.num_cached_tokens == 8
     assert one.block_ids[:2] == three.block_ids[:2] and one.block_ids[2] != three.block_ids[2]
     d.run()
+
+
+# -- priorities (lower value first; a strictly lower priority may be preempted) -------------------------
+def make_prio(rid: str, n: int, base: int, priority: int, max_tokens: int = 3) -> Request:
+    req = make_req(rid, n, base, max_tokens)
+    req.priority = priority
+    return req
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    d = Driver(num_blocks=64, max_num_seqs=1)
+    low, mid_a, high, mid_b = (
+        make_prio("low", 4, 0, 5),
+        make_prio("mid_a", 4, 100, 1),
+        make_prio("high", 4, 200, -2),
+        make_prio("mid_b", 4, 300, 1),
+    )
+    d.add(low, mid_a, high, mid_b)
+    assert list(d.sched.waiting) == [high, mid_a, mid_b, low]
+    d.run()
+    assert d.admitted == ["high", "mid_a", "mid_b", "low"]
+
+
+def test_higher_priority_arrival_preempts_a_lower_one_for_a_seat():
+    d = Driver(num_blocks=64, max_num_seqs=2)
+    a, b = make_prio("a", 4, 0, 1, max_tokens=6), make_prio("b", 4, 100, 1, max_tokens=6)
+    d.add(a, b)
+    d.step()
+    urgent = make_prio("urgent", 4, 200, 0, max_tokens=2)
+    d.add(urgent)
+    batch = d.step()  # b (the later of the two at priority 1) gives its seat: it was in this step's batch
+    assert batch.preempted == [b] and [r for r, _ in batch.work] == [a, urgent]
+    assert (urgent, 4) in batch.work and b.status == RequestStatus.PREEMPTED and b.block_ids == []
+    assert d.sched.num_priority_preemptions == 1 and list(d.sched.waiting) == [b]
+    d.run()
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in (a, b, urgent))
+    assert urgent.is_finished and b.num_preemptions == 1 and a.num_preemptions == 0
+
+
+def test_higher_priority_arrival_preempts_for_kv_blocks_and_the_victim_recomputes():
+    d = Driver(num_blocks=4, budget=64, caching=False)
+    low = make_prio("low", 12, 0, 3, max_tokens=3)  # 3 blocks of 4
+    d.add(low)
+    d.step()
+    high = make_prio("high", 8, 100, 0, max_tokens=2)  # 2 blocks: only one is free
+    d.add(high)
+    batch = d.step()
+    assert batch.preempted == [low] and batch.work == [(high, 8)]
+    assert low.status == RequestStatus.PREEMPTED and low.num_computed_tokens == 0
+    assert len(low.output_token_ids) == 1  # its token is kept and recomputed with the prompt
+    d.run()
+    assert len(high.output_token_ids) == 2 and len(low.output_token_ids) == 3
+    assert d.sched.num_priority_preemptions == 1
+
+
+def test_equal_priorities_never_preempt_each_other_for_admission():
+    d = Driver(num_blocks=4, budget=64)
+    first = make_prio("first", 12, 0, 0, max_tokens=2)
+    d.add(first)
+    d.step()
+    second = make_prio("second", 8, 100, 0, max_tokens=2)
+    d.add(second)
+    batch = d.step()
+    assert not batch.preempted and batch.work == [(first, 1)]
+    assert list(d.sched.waiting) == [second]
+    d.run()
+    assert d.sched.num_priority_preemptions == 0 and d.admitted == ["first", "second"]
+
+
+def test_out_of_blocks_the_lowest_priority_running_request_is_preempted_first():
+    d = Driver(num_blocks=6, max_num_seqs=3, budget=64)
+    a = make_prio("a", 7, 100, 2)  # 2 blocks, room for one more token
+    b = make_prio("b", 8, 200, 0)  # 2 full blocks: its first decode needs a 3rd
+    c = make_prio("c", 8, 300, 1)
+    d.add(a, b, c)
+    first = d.step()
+    assert [r for r, _ in first.work] == [b, c, a] and d.bm.num_free_blocks == 0
+    second = d.step()  # b needs a block: a, the lowest priority, goes (not c, the last admitted)
+    assert second.preempted == [a] and second.work == [(b, 1), (c, 1)]
+    d.run()
+    assert all(len(r.output_token_ids) == 3 for r in (a, b, c))
+
+
+def test_a_preempted_request_keeps_its_place_among_its_priority():
+    d = Driver(num_blocks=64, max_num_seqs=1)
+    old = make_prio("old", 4, 0, 1, max_tokens=4)
+    d.add(old)
+    d.step()
+    newer = make_prio("newer", 4, 100, 1, max_tokens=1)
+    d.add(newer)
+    vip = make_prio("vip", 4, 200, 0, max_tokens=1)
+    d.add(vip)
+    d.step()  # vip takes old's seat; old (arrived before newer) waits ahead of newer
+    assert old.status == RequestStatus.PREEMPTED and list(d.sched.waiting) == [old, newer]
+    d.run()
+    assert d.admitted == ["old", "vip", "newer"] and len(old.output_token_ids) == 4
+
+
+def test_random_prioritised_workload_finishes_everything_and_leaks_nothing():
+    rng = random.Random(1)
+    d = Driver(num_blocks=10, max_num_seqs=3, budget=12)
+    reqs = []
+    for _ in range(300):
+        if len(reqs) < 40 and rng.random() < 0.6:
+            n, priority, max_tokens = rng.randint(1, 14), rng.randint(-2, 2), rng.randint(1, 8)
+            req = make_prio(f"r{len(reqs)}", n, 100 * len(reqs), priority, max_tokens)
+            reqs.append(req)
+            d.add(req)
+        if d.sched.has_unfinished():
+            d.step()
+            order = [Scheduler.order(r) for r in d.sched.waiting]
+            assert order == sorted(order)
+    d.run(max_steps=1000)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
+    assert d.sched.num_priority_preemptions > 0
