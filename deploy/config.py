@@ -10,7 +10,9 @@ cluster_secret: null   # the internal plane's secret (null: `kvferry up` generat
 internal_tls: auto     # mutual TLS between the cluster's processes: auto | on | off (internal_tls_on)
 router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
          api_keys: [], ssl_certfile: null, ssl_keyfile: null,   # only the router faces clients
-         routing: kv-aware}   # the prefill worker holding the longest prefix, weighed against load
+         routing: kv-aware,   # the prefill worker holding the longest prefix, weighed against load
+         slo_ttft_ms: null, slo_tpot_ms: null,   # targets of requests that set none (router.slo)
+         admission: predictive, on_predicted_miss: reject}   # refuse a request predicted to miss
 pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true, private_ttl_s: 20}
 prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_cache_memory_gib: 0.5}
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
@@ -77,6 +79,10 @@ class RouterSettings:
     ssl_certfile: str | None = None  # the router serves TLS (gRPC and HTTP) with this cert and key
     ssl_keyfile: str | None = None
     routing: str = "kv-aware"  # the prefill worker choice: kv-aware | least-load (router.prefix_routing)
+    slo_ttft_ms: float | None = None  # the latency targets of a request that sets none (None: no target)
+    slo_tpot_ms: float | None = None
+    admission: str = "predictive"  # predictive (refuse a predicted SLO miss) | cap (router.slo)
+    on_predicted_miss: str = "reject"  # reject | deprioritize
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,18 @@ class ClusterConfig:
             raise ClusterConfigError(
                 f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {self.router.routing!r}"
             )
+        from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS
+
+        if self.router.admission not in ADMISSION_MODES:
+            raise ClusterConfigError(f"router.admission must be one of {', '.join(ADMISSION_MODES)}")
+        if self.router.on_predicted_miss not in MISS_ACTIONS:
+            raise ClusterConfigError(f"router.on_predicted_miss must be one of {', '.join(MISS_ACTIONS)}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self.router, name)
+            if value is not None and not 0 < value < 86_400_000:
+                raise ClusterConfigError(
+                    f"router.{name} must be > 0 milliseconds (and under a day), got {value}"
+                )
         gen = self.router.generation_config
         if gen not in ("auto", "vllm") and not (Path(gen).expanduser() / "generation_config.json").is_file():
             raise ClusterConfigError(
@@ -395,7 +413,16 @@ class ClusterConfig:
             cfg = replace(cfg, router=replace(cfg.router, http_port=None))
         elif values.get("http_port") is not None:
             cfg = replace(cfg, router=replace(cfg.router, http_port=values["http_port"]))
-        for key in ("served_model_name", "chat_template", "generation_config", "uvicorn_log_level"):
+        for key in (
+            "served_model_name",
+            "chat_template",
+            "generation_config",
+            "uvicorn_log_level",
+            "slo_ttft_ms",
+            "slo_tpot_ms",
+            "admission",
+            "on_predicted_miss",
+        ):
             if values.get(key) is not None:
                 cfg = replace(cfg, router=replace(cfg.router, **{key: values[key]}))
         engine = {k: values[k] for k in ENGINE_OVERRIDES if values.get(k) is not None}

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvferry.engine.block_hash import model_fingerprint
 from kvferry.engine.block_manager import BlockManager
+from kvferry.engine.cost_model import StepCostModel, step_pairs
 from kvferry.engine.draft_model import DraftModelProposer
 from kvferry.engine.kv_handoff import KVHandoff
 from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
@@ -220,6 +221,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._ended: list[OutputState] = []  # finished outside a step (aborted, done on arrival)
         self.num_steps = 0
+        self.step_costs = StepCostModel()  # step time against batch size: SLO-aware admission's cost model
         speculative = SpeculativeConfig.parse(cfg.speculative_config)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if speculative is not None and speculative.method == "draft_model":
@@ -348,11 +350,13 @@ class LLMEngine:
             model = self.runner.model
             layers = self.kv.layers_hook
             model.after_layer = None if layers is None else layers(batch)
+            tokens, pairs, t0 = batch.num_tokens, step_pairs(batch.work), time.perf_counter()
             try:
                 sampled = self.runner.run(batch)
             finally:
                 model.after_layer = None
             outputs += self._update(batch, sampled)
+            self.step_costs.observe(tokens, pairs, (time.perf_counter() - t0) * 1e3)
             self.num_steps += 1
         elif join:
             self.runner.execute(StepInputs())

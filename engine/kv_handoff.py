@@ -155,5 +155,11 @@ class KVHandoff:
             "priority_preemptions": s.num_priority_preemptions,
         }
 
+    def step_cost(self) -> list[float] | None:
+        """The engine's fitted step-time model (engine.cost_model), as [fixed_ms, per_token_ms,
+        per_kpair_ms] for a heartbeat; None before enough steps."""
+        fit = self._engine.step_costs.fit()
+        return None if fit is None else fit.to_list()
+
 
 __all__ = ["KVHandoff", "RequestStatus"]

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 
 PACE_MIN_RUNNING = 4  # requests running before decode_step_interval_ms paces the steps
+INTERVAL_WEIGHT = 0.2  # the observed step interval's running mean: each step's weight
 
 
 class EngineStopped(RuntimeError):
@@ -105,6 +106,8 @@ class EngineLoop(threading.Thread):
         self.stopped = threading.Event()
         self.step_interval_s = (step_interval_ms or 0.0) / 1e3  # pacing (see the class docstring)
         self.last_step = 0.0
+        self.step_interval_ms = 0.0  # observed: the running mean of the time between busy steps
+        self._busy_since: float | None = None
 
     def submit(self, fn: Callable[[], None]) -> None:
         self.inbox.put(fn)
@@ -167,6 +170,7 @@ class EngineLoop(threading.Thread):
                     return
             if busy:
                 self._pace()
+                self._interval()
                 try:
                     outputs = self.engine.step(join=self.sync is not None)
                 except Exception as err:
@@ -179,8 +183,21 @@ class EngineLoop(threading.Thread):
                 except Exception:
                     log.exception("delivering engine outputs failed")
             elif not ran:
+                self._busy_since = None  # idle: the next step's interval starts afresh
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
+
+    def _interval(self) -> None:
+        """The running mean of the time between consecutive busy steps (a decode's TPOT as its streams
+        see it: the step, the pacing, and whatever else took the cores meanwhile)."""
+        now = time.perf_counter()
+        if self._busy_since is not None:
+            ms = (now - self._busy_since) * 1e3
+            if self.step_interval_ms:
+                self.step_interval_ms += INTERVAL_WEIGHT * (ms - self.step_interval_ms)
+            else:
+                self.step_interval_ms = ms
+        self._busy_since = now
 
     def _pace(self) -> None:
         if self.step_interval_s and len(self.engine.scheduler.running) >= PACE_MIN_RUNNING:

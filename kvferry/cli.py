@@ -392,6 +392,20 @@ def _up_parser(sub) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="the HTTP server's log level (default warning)",
     )
+    up.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target of requests that set none")
+    up.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
+    up.add_argument(
+        "--admission",
+        default=None,
+        choices=["predictive", "cap"],
+        help="predictive (default): refuse a request predicted to miss its SLO; cap: --max-inflight alone",
+    )
+    up.add_argument(
+        "--on-predicted-miss",
+        default=None,
+        choices=["reject", "deprioritize"],
+        help="a predicted SLO miss is refused (429 / RESOURCE_EXHAUSTED, the default) or queued last",
+    )
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests a worker batches at most")
     up.add_argument(
         "--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)"
@@ -487,6 +501,10 @@ def _cmd_up(args) -> int:
         chat_template=args.chat_template,
         generation_config=args.generation_config,
         uvicorn_log_level=args.uvicorn_log_level,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        admission=args.admission,
+        on_predicted_miss=args.on_predicted_miss,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,

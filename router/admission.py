@@ -15,12 +15,13 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from kvferry.convert import sampling_from_proto
+from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
 from kvferry.engine.structured import Grammars, StructuredOutputError
 from kvferry.router.directory import Member
 from kvferry.router.limits import check_limits
 from kvferry.router.metrics import RequestTrack
-from kvferry.v1 import generate_pb2
+from kvferry.v1 import generate_pb2, worker_pb2
 
 
 @dataclass
@@ -37,6 +38,11 @@ class Inflight:
     release_pool: bool = False  # the pool may still hold the request's private tail block
     cache_salt: str = ""  # mixed into its block keys (engine.block_hash.salt_key)
     priority: int = 0  # GenerateRequest.priority: lower first, in each worker's queue
+    # the prompt's block keys and the pool's hits on them (looked up at admission, unless colocated)
+    prompt_keys: worker_pb2.PromptKeys | None = None
+    pooled: list = field(default_factory=list)
+    targets: object | None = None  # its SLO targets (router.slo.Targets)
+    prediction: object | None = None  # its predicted TTFT / TPOT (router.slo.Prediction)
     # a request of n sequences (router.sequences): what they share, this one's index, the leader's others
     shared: object | None = None
     index: int = 0
@@ -48,11 +54,13 @@ class Inflight:
 
 
 class RequestRejected(Exception):
-    """A request the cluster cannot serve (overload, no workers, a worker failed); `code` says which."""
+    """A request the cluster cannot serve (overload, no workers, a worker failed); `code` says which,
+    `retry_after_s` when to try again (sent as HTTP Retry-After and a gRPC `retry-after-ms` trailer)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 class WorkerFailed(RequestRejected):
@@ -157,15 +165,31 @@ class Admission:
         handle = self.inflight[request_id] = Inflight(request_id, time.monotonic() + timeout, t0)
         try:
             handle.ids, handle.params = await self._prepare(request, fill_max_tokens)
+            handle.priority = request.priority
+            if not self.cfg.colocated:
+                await self._look_up(handle, request.cache_salt)
+            self.admit_by_slo(handle, request.slo)
         except BaseException as err:
             del self.inflight[request_id]
             if isinstance(err, (InvalidRequestError, RequestRejected)):
                 self.metrics.rejected(api, error_code(err).name)
             raise
         handle.cache_salt = request.cache_salt
-        handle.priority = request.priority
         handle.track = self.metrics.track(api, t0)
         return handle
+
+    async def _look_up(self, handle: Inflight, cache_salt: str) -> None:
+        """The prompt's block keys (its one hash, sent on to the workers) and how much of them the pool
+        holds (its one lookup): what predicting its TTFT and choosing its prefill worker take."""
+        model = self.directory.model
+        fingerprint = bytes.fromhex(model.fingerprint)
+        salt = salt_key(cache_salt)
+        keys = block_keys(handle.ids, model.block_size, fingerprint, salt)
+        handle.prompt_keys = worker_pb2.PromptKeys(
+            fingerprint=fingerprint, block_keys=keys, salt_key=salt or b""
+        )
+        handle.pooled = await asyncio.to_thread(self.meta.lookup_prefix, keys)
+        self.metrics.pool_lookup()
 
     def withdraw(self, handle: Inflight) -> None:
         """Forget an admitted request that was never run (nothing was sent to a worker)."""

@@ -71,6 +71,7 @@ class PrefillDispatch:
         worker = choice.worker
         worker.inflight += 1
         worker.inflight_tokens += choice.compute_tokens
+        self.prefill_sent(handle, worker, choice.compute_tokens)
         call = worker.stub.Prefill(request, timeout=handle.remaining())
         handle.calls.append(call)
         try:
@@ -85,6 +86,7 @@ class PrefillDispatch:
         finally:
             worker.inflight -= 1
             worker.inflight_tokens -= choice.compute_tokens
+            self.prefill_ended(handle, worker)
             handle.calls.remove(call)
 
     def _retry(self, handle: Inflight, err: WorkerFailed, role: str, tries: int) -> bool:

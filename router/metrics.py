@@ -111,6 +111,30 @@ class RouterMetrics:
             for kind, doc in (("predicted", "was expected to find cached"), ("actual", "found cached"))
         )
 
+        self.predicted_ttft_hist = histogram(
+            "predicted_ttft_seconds",
+            "The TTFT admission predicted (router.slo), per request served.",
+            TTFT_BUCKETS,
+        )
+        self.ttft_prediction_ratio = histogram(
+            "ttft_prediction_ratio",
+            "Actual over predicted TTFT, per request served (1 = exact).",
+            (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+        )
+        self.predicted_misses = counter(
+            "admission_predicted_misses_total",
+            "Requests predicted to miss their SLO at admission, by the target missed and what was done.",
+            ["reason", "action"],
+        )
+
+    def predicted_miss(self, reason: str, action: str) -> None:
+        self.predicted_misses.labels(self.model_name, reason, action).inc()
+
+    def predicted_ttft(self, predicted_ms: float, actual_ms: float) -> None:
+        self.predicted_ttft_hist.labels(self.model_name).observe(predicted_ms / 1e3)
+        if predicted_ms > 0:
+            self.ttft_prediction_ratio.labels(self.model_name).observe(actual_ms / predicted_ms)
+
     def pool_lookup(self) -> None:
         self.pool_lookups.labels(self.model_name).inc()
 

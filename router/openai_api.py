@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import re
 import uuid
 
@@ -66,12 +67,18 @@ OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, retry_after_s: float | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.param), status_code=self.status)
+        headers = None if self.retry_after_s is None else {"Retry-After": str(math.ceil(self.retry_after_s))}
+        return JSONResponse(
+            error_body(self.status, self.message, self.param), status_code=self.status, headers=headers
+        )
 
     @classmethod
     def of(cls, err: Exception, prompt_field: str = "prompt") -> ApiError:
@@ -80,7 +87,7 @@ class ApiError(Exception):
             message = _openai_field_names(str(err), prompt_field)
             return cls(400, message, re.match(r"[\w.\[\]]*", message).group(0) or None)
         if isinstance(err, RequestRejected):
-            return cls(HTTP_STATUS.get(err.code, 500), str(err))
+            return cls(HTTP_STATUS.get(err.code, 500), str(err), retry_after_s=err.retry_after_s)
         return cls(500, f"internal error: {err}")
 
 
@@ -354,6 +361,7 @@ def build_app(router: Router) -> FastAPI:
             sampling=sampling,
             cache_salt=body.cache_salt or "",
             priority=body.priority,
+            slo=body.slo_proto(),
         )
         shape = ResponseShape(
             True,

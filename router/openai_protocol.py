@@ -79,6 +79,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SloTargets(BaseModel):
+    """kvferry extension `slo`: the request's latency targets in milliseconds (unset: the cluster's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: Annotated[float, Field(ge=0, le=86_400_000)] = 0.0
+    tpot_ms: Annotated[float, Field(ge=0, le=86_400_000)] = 0.0
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
 
@@ -103,10 +111,16 @@ class _Common(BaseModel):
     prompt_logprobs: INT32 | None = None  # vLLM extension
     cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached prefixes
     priority: INT32 = 0  # vLLM extension: lower first in each worker's queue (may preempt higher values)
+    slo: SloTargets | None = None  # kvferry extension: TTFT / TPOT targets (router.slo)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: each choice carries its token ids
+
+    def slo_proto(self) -> generate_pb2.Slo | None:
+        return (
+            None if self.slo is None else generate_pb2.Slo(ttft_ms=self.slo.ttft_ms, tpot_ms=self.slo.tpot_ms)
+        )
 
     def structured(self) -> tuple[str, str, str] | None:
         """The one structured-output constraint the request asks for, as (field, kind, value), from
@@ -281,6 +295,7 @@ class CompletionRequest(_Common):
                 sampling=sampling,
                 cache_salt=self.cache_salt or "",
                 priority=self.priority,
+                slo=self.slo_proto(),
             )
             if isinstance(prompt, str):
                 req.text = prompt

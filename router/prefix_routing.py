@@ -140,7 +140,7 @@ class PrefillRouting:
             best, reason = self._best(estimates)
         record = self._record(best.member)
         record.add(keys)
-        hit = min((best.local + best.pool) * block_size, num_tokens - 1)  # as the worker counts it
+        hit = _hit_tokens(best, block_size, num_tokens)
         local = min(best.local * block_size, hit)
         return Choice(
             worker=best.member,
@@ -150,6 +150,24 @@ class PrefillRouting:
             compute_tokens=num_tokens - hit,
             keys=tuple(keys),
         )
+
+    def preview(
+        self, keys: Sequence[bytes], pooled: Sequence[Location], num_tokens: int
+    ) -> list[tuple[Member, int]]:
+        """Every prefill worker that may take the prompt now, with the tokens it is expected to compute
+        for it (its expected local hit and the pool's taken off): what `choose` weighs, nothing recorded
+        (SLO admission prices the prompt on each, router.slo)."""
+        self._retain()
+        block_size = self.directory.model.block_size
+        usable = num_tokens // block_size
+        return [
+            (
+                m,
+                num_tokens
+                - _hit_tokens(self._estimate(m, keys, pooled, usable, num_tokens), block_size, num_tokens),
+            )
+            for m in self.directory.available("prefill")
+        ]
 
     def failed(self, choice: Choice) -> None:
         """The prefill sent to `choice.worker` failed: it may not hold the prompt's blocks."""
@@ -209,6 +227,12 @@ class PrefillRouting:
         for group, record in list(self.records.items()):
             if addrs.get(group) != record.addr:
                 del self.records[group]
+
+
+def _hit_tokens(estimate: _Estimate, block_size: int, num_tokens: int) -> int:
+    """The prompt tokens a worker takes from a cache (its own and the pool's), as the worker counts them:
+    a full hit still computes the last token."""
+    return min((estimate.local + estimate.pool) * block_size, num_tokens - 1)
 
 
 def _group(member: Member) -> str:

@@ -34,7 +34,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvferry.auth import Credentials, cluster_secret, server_interceptors
 from kvferry.convert import logprob_from_proto, sampling_to_proto
-from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import (
     InvalidRequestError,
@@ -54,6 +53,7 @@ from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import ROUTING_MODES, PrefillRouting, RoutingConfig
 from kvferry.router.relay import Relay, StreamRelay, response
 from kvferry.router.sequences import LeaderGone, Sequences
+from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, SloAdmission
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
@@ -157,6 +157,29 @@ class RouterConfig:
             choices=ROUTING_MODES,
         ),
     )
+    slo_ttft_ms: float | None = field(
+        default=None,
+        metadata=_help("the TTFT target of a request that sets none (GenerateRequest.slo; none: no target)"),
+    )
+    slo_tpot_ms: float | None = field(
+        default=None, metadata=_help("the TPOT target of a request that sets none (none: no target)")
+    )
+    admission: str = field(
+        default="predictive",
+        metadata=_help(
+            "predictive: a request with an SLO whose predicted TTFT or TPOT misses it is refused at once "
+            "(or deprioritized, --on-predicted-miss); cap: --max-inflight alone (router.slo)",
+            choices=ADMISSION_MODES,
+        ),
+    )
+    on_predicted_miss: str = field(
+        default="reject",
+        metadata=_help(
+            "what predictive admission does with a request predicted to miss its SLO: reject it "
+            "(RESOURCE_EXHAUSTED / 429 with Retry-After) or deprioritize it (queued behind every other)",
+            choices=MISS_ACTIONS,
+        ),
+    )
 
 
 def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -179,7 +202,9 @@ def public_model_name(name: str) -> str:
     return name
 
 
-class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_grpc.GenerationServicer):
+class Router(
+    Admission, SloAdmission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_grpc.GenerationServicer
+):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
@@ -197,6 +222,7 @@ class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_gr
         self.inflight: dict[str, Inflight] = {}
         self.ending: set[asyncio.Future] = set()  # releases that outlive their request's stream (`_end`)
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
+        self._init_slo()
 
     # -- Generate (admission: router.admission; the prefill: router.dispatch; the stream: router.relay) --
     async def Generate(self, request, context):
@@ -208,7 +234,12 @@ class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_gr
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except RequestRejected as err:
-            await context.abort(err.code, str(err))
+            trailer = (
+                ()
+                if err.retry_after_s is None
+                else (("retry-after-ms", str(round(err.retry_after_s * 1e3))),)
+            )
+            await context.abort(err.code, str(err), trailing_metadata=trailer)
 
     async def generate(
         self, request: generate_pb2.GenerateRequest, timeout: float | None = None, api: str = "grpc"
@@ -274,12 +305,9 @@ class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_gr
         rid = handle.request_id
         req = Request(rid, ids, params)
         state = OutputState(req, self.tokenizer, tuple(model.eos_token_ids), model.max_model_len)
-        fingerprint = bytes.fromhex(model.fingerprint)
-        salt = salt_key(handle.cache_salt)
-        keys = block_keys(ids, model.block_size, fingerprint, salt)  # the request's one hash of its blocks
-        prompt_keys = worker_pb2.PromptKeys(fingerprint=fingerprint, block_keys=keys, salt_key=salt or b"")
-        pooled = await asyncio.to_thread(self.meta.lookup_prefix, keys)  # and its one lookup
-        self.metrics.pool_lookup()
+        if handle.prompt_keys is None:  # (made at admission, except colocated and a request's siblings)
+            await self._look_up(handle, handle.cache_salt)
+        prompt_keys, pooled = handle.prompt_keys, handle.pooled
         cached = len(pooled) * model.block_size
 
         if handle.aborted:
@@ -303,6 +331,9 @@ class Router(Admission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_gr
             "kv_transfer_ms": prefill.kv_put_ms,
             "ttft_ms": ttft * 1e3,
         }
+        if handle.prediction is not None and handle.prediction.ttft_ms is not None:
+            timings["predicted_ttft_ms"] = handle.prediction.ttft_ms
+            self.first_token(handle, ttft * 1e3)
         req.prompt_logprobs = [logprob_from_proto(x) for x in prefill.prompt_logprobs]
         first = logprob_from_proto(prefill.first_logprob) if prefill.HasField("first_logprob") else None
         status = state.add_token(prefill.first_token_id, first)

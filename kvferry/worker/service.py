@@ -116,6 +116,11 @@ class EngineWorker:
             "spec_accepted_tokens": self.engine.spec_accepted,
             "preemptions": kv["preemptions"],
             "priority_preemptions": kv["priority_preemptions"],
+            # the fitted step-time model and the token budget a step (the router's SLO admission)
+            "step_cost": self.engine.kv.step_cost(),
+            "token_budget": self.engine.cfg.max_num_batched_tokens,
+            "pace_ms": self.loop.step_interval_s * 1e3,  # a paced decode's step interval (engine.loop)
+            "step_interval_ms": round(self.loop.step_interval_ms, 3),  # observed between busy steps
         }
 
     def new_request(self, request, params, what: str, matcher=None) -> Request:

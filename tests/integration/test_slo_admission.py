@@ -1,0 +1,78 @@
+"""SLO-aware admission on a real cluster: once the workers have fitted their step costs, a request whose
+predicted TTFT or TPOT misses its target is refused before any prefill (RESOURCE_EXHAUSTED with a
+retry-after trailer on gRPC, 429 with Retry-After on HTTP), one that can make it is served exactly, and
+/metrics counts both the misses and the predictions against what happened. (conftest's `cluster`: two
+prefill workers, one decode worker, the router's default predictive admission.)"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from cluster_helpers import metric, wait_for
+from test_cluster import greedy, random_prompt
+
+from kvferry.router.client import Client
+from kvferry.v1 import generate_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def with_slo(request: generate_pb2.GenerateRequest, **targets) -> generate_pb2.GenerateRequest:
+    request.slo.CopyFrom(generate_pb2.Slo(**targets))
+    return request
+
+
+def post(url: str, body: dict) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, {k.lower(): v for k, v in reply.headers.items()}, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, json.loads(err.read())
+
+
+def test_a_doomed_request_is_refused_before_any_prefill(cluster, members, tiny_model_dir, hf_greedy):
+    ids = random_prompt(90, 40)
+    with Client(cluster.router_addr) as client:
+
+        def predicted() -> float:  # served with a loose target; the prediction it was admitted with
+            reply = client.generate(with_slo(greedy(ids, 4), ttft_ms=60_000, tpot_ms=60_000), timeout=60)
+            return reply.finished.timings.predicted_ttft_ms
+
+        # the workers fit their step costs after a few steps and publish them with their heartbeats
+        wait_for(predicted, 60, "a TTFT prediction (fitted step costs in the heartbeats)")
+        (want,) = hf_greedy(tiny_model_dir, [ids], 4)
+        assert client.generate(with_slo(greedy(ids, 4), ttft_ms=60_000), timeout=60).token_ids == want
+
+        before = sum(s.requests for s in members.stats("prefill").values())
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(with_slo(greedy(random_prompt(91, 200), 4), ttft_ms=0.01), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "predicted TTFT" in err.value.details() and "target of 0 ms" in err.value.details()
+        trailer = dict(err.value.trailing_metadata())
+        assert float(trailer["retry-after-ms"]) >= 1000
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(with_slo(greedy(ids, 4), tpot_ms=0.001), timeout=60)
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "predicted TPOT" in err.value.details()
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(with_slo(greedy(ids, 4), ttft_ms=-5), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "slo.ttft_ms" in err.value.details()
+        assert sum(s.requests for s in members.stats("prefill").values()) == before  # no prefill ran
+
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+    code, headers, reply = post(cluster.http_url + "/v1/completions", {**body, "slo": {"ttft_ms": 0.01}})
+    assert code == 429 and int(headers["retry-after"]) >= 1 and "predicted TTFT" in reply["error"]["message"]
+    code, _, reply = post(cluster.http_url + "/v1/completions", {**body, "slo": {"ttft_ms": -1}})
+    assert code == 400 and "slo" in json.dumps(reply["error"]), reply
+    code, _, reply = post(cluster.http_url + "/v1/completions", {**body, "slo": {"ttft_ms": 60_000}})
+    assert code == 200 and reply["choices"][0]["timings"]["predicted_ttft_ms"] > 0
+
+    assert metric(cluster, "kvferry:admission_predicted_misses_total", reason="ttft", action="reject") >= 2
+    assert metric(cluster, "kvferry:admission_predicted_misses_total", reason="tpot", action="reject") >= 1
+    assert metric(cluster, "kvferry:ttft_prediction_ratio_count") >= 3

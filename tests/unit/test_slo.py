@@ -1,0 +1,99 @@
+"""SLO-aware admission's parts: the engine's step-time fit, the router's prefill queues, targets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvferry.engine.cost_model import MIN_STEPS, StepCost, StepCostModel, step_pairs
+from kvferry.engine.request import InvalidRequestError, Request, SamplingParams
+from kvferry.router.slo import Prediction, PrefillQueues, Targets, resolve_targets
+from kvferry.v1 import generate_pb2
+
+
+def test_the_fit_recovers_a_step_time_model_from_noisy_steps():
+    rng = random.Random(0)
+    model = StepCostModel()
+    truth = StepCost(fixed_ms=2.0, per_token_ms=0.05, per_kpair_ms=0.004)
+    for _ in range(300):
+        tokens = rng.choice([1, 4, 16, 64, 256, 512])
+        pairs = tokens * rng.randint(0, 512) + tokens * (tokens + 1) // 2
+        model.observe(tokens, pairs, truth.step_ms(tokens, pairs) * rng.uniform(0.97, 1.03))
+    fit = model.fit()
+    assert fit.fixed_ms == pytest.approx(2.0, rel=0.1)
+    assert fit.per_token_ms == pytest.approx(0.05, rel=0.1)
+    assert fit.per_kpair_ms == pytest.approx(0.004, rel=0.15)
+
+
+def test_no_fit_before_enough_steps_and_never_a_negative_coefficient():
+    model = StepCostModel()
+    for i in range(MIN_STEPS - 1):
+        model.observe(10 * (i + 1), 0, 5.0)
+    assert model.fit() is None
+    for i in range(40):  # time falling with size: a least-squares slope would be negative
+        model.observe(10 * (i + 1), 0, 9.0 - 0.1 * i)
+    fit = model.fit()
+    assert fit.per_token_ms == 0.0 and fit.per_kpair_ms >= 0 and fit.fixed_ms > 0
+
+
+def test_a_prompt_is_priced_in_chunks_of_the_token_budget():
+    cost = StepCost(fixed_ms=3.0, per_token_ms=0.1, per_kpair_ms=0.002)
+    assert cost.prompt_ms(0, 512) == 0.0
+    one_chunk = cost.prompt_ms(256, 512)
+    assert one_chunk == pytest.approx(3.0 + 25.6 + 0.002 * (256 * 257 / 2) / 1e3)
+    assert cost.prompt_ms(256, 100) == pytest.approx(one_chunk + 2 * 3.0)  # three steps
+    assert cost.prompt_ms(64, 512, cached=192) > cost.prompt_ms(64, 512)  # attends over the cached ones
+
+
+def test_step_pairs_counts_each_rows_keys():
+    a = Request("a", [1] * 10, SamplingParams())
+    a.num_computed_tokens = 6  # 4 more tokens after 6: 4 * 6 + 10
+    b = Request("b", [1] * 3, SamplingParams())
+    assert step_pairs([(a, 4), (b, 3)]) == 4 * 6 + 10 + 6
+
+
+def test_heartbeat_lists_are_checked():
+    cost = StepCost(1.5, 0.02, 0.003)
+    assert StepCost.from_list(cost.to_list()) == cost
+    for bad in (None, [1, 2], [1, -1, 0], ["x", 1, 1], [float("nan"), 0, 0]):
+        assert StepCost.from_list(bad) is None
+
+
+def test_prefill_queues_serve_in_priority_then_arrival_order():
+    q = PrefillQueues()
+    q.add("w", "low", priority=5, cost_ms=100, now=0.0)
+    q.add("w", "a", priority=0, cost_ms=40, now=0.0)
+    q.add("w", "b", priority=0, cost_ms=30, now=0.0)
+    assert q.wait_ms("w", 0, now=0.0) == 70  # the low one is not ahead of priority 0
+    assert q.wait_ms("w", 5, now=0.0) == 170
+    assert q.wait_ms("w", 0, now=0.05) == pytest.approx(20)  # 50 ms served: a done, b 20 left
+    assert q.wait_ms("w", 9, now=0.05) == pytest.approx(120)
+    q.remove("w", "b", now=0.06)
+    assert q.wait_ms("w", 9, now=0.06) == pytest.approx(100)  # then the low one is served
+    assert q.wait_ms("w", 9, now=0.11) == pytest.approx(50)
+    q.remove("w", "a", now=0.11)
+    q.remove("w", "low", now=0.11)
+    assert q.workers == {} and q.wait_ms("other", 0) == 0
+
+
+def test_targets_come_from_the_request_else_the_cluster_and_are_checked():
+    assert resolve_targets(generate_pb2.Slo(), None, None) == Targets(None, None)
+    assert resolve_targets(generate_pb2.Slo(), 1000.0, 100.0) == Targets(1000.0, 100.0)
+    assert resolve_targets(generate_pb2.Slo(ttft_ms=250), 1000.0, 100.0) == Targets(250.0, 100.0)
+    for bad in (
+        generate_pb2.Slo(ttft_ms=-1),
+        generate_pb2.Slo(tpot_ms=float("inf")),
+        generate_pb2.Slo(ttft_ms=1e12),
+    ):
+        with pytest.raises(InvalidRequestError, match=r"slo\.(ttft|tpot)_ms"):
+            resolve_targets(bad, None, None)
+
+
+def test_a_prediction_misses_only_the_targets_it_exceeds():
+    p = Prediction(ttft_ms=800.0, wait_ms=700.0, prefill_ms=100.0, worker="w", tpot_ms=40.0)
+    assert p.miss(Targets()) is None
+    assert p.miss(Targets(ttft_ms=1000.0, tpot_ms=50.0)) is None
+    assert p.miss(Targets(ttft_ms=500.0)) == "ttft"
+    assert p.miss(Targets(tpot_ms=30.0)) == "tpot"
+    assert Prediction(ttft_ms=None).miss(Targets(ttft_ms=1.0)) is None  # nothing to predict with yet
