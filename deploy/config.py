@@ -249,18 +249,17 @@ class ClusterConfig:
             raise ClusterConfigError(
                 f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {self.router.routing!r}"
             )
-        from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS
+        from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, check_default_target
 
         if self.router.admission not in ADMISSION_MODES:
             raise ClusterConfigError(f"router.admission must be one of {', '.join(ADMISSION_MODES)}")
         if self.router.on_predicted_miss not in MISS_ACTIONS:
             raise ClusterConfigError(f"router.on_predicted_miss must be one of {', '.join(MISS_ACTIONS)}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            value = getattr(self.router, name)
-            if value is not None and not 0 < value < 86_400_000:
-                raise ClusterConfigError(
-                    f"router.{name} must be > 0 milliseconds (and under a day), got {value}"
-                )
+            try:
+                check_default_target(f"router.{name}", getattr(self.router, name))
+            except ValueError as err:
+                raise ClusterConfigError(str(err)) from None
         gen = self.router.generation_config
         if gen not in ("auto", "vllm") and not (Path(gen).expanduser() / "generation_config.json").is_file():
             raise ClusterConfigError(

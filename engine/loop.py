@@ -170,9 +170,11 @@ class EngineLoop(threading.Thread):
                     return
             if busy:
                 self._pace()
-                self._interval()
+                start, steps = time.perf_counter(), self.engine.num_steps
                 try:
                     outputs = self.engine.step(join=self.sync is not None)
+                    if self.engine.num_steps > steps:  # a forward pass ran (not just queue bookkeeping)
+                        self._interval(start)
                 except Exception as err:
                     log.exception("engine step failed")
                     if self.on_error is not None:
@@ -187,10 +189,10 @@ class EngineLoop(threading.Thread):
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
 
-    def _interval(self) -> None:
-        """The running mean of the time between consecutive busy steps (a decode's TPOT as its streams
-        see it: the step, the pacing, and whatever else took the cores meanwhile)."""
-        now = time.perf_counter()
+    def _interval(self, now: float) -> None:
+        """The running mean of the time between the starts of consecutive forward passes with no idle
+        wait between them (a decode's TPOT as its streams see it: the step, the pacing, and whatever
+        else took the cores meanwhile)."""
         if self._busy_since is not None:
             ms = (now - self._busy_since) * 1e3
             if self.step_interval_ms:

@@ -108,6 +108,10 @@ class Sequences:
         sibling.track = self.metrics.track(handle.track.api, handle.t0)
         sibling.cache_salt, sibling.shared, sibling.index = handle.cache_salt, shared, index
         sibling.priority = handle.priority
+        sibling.prompt_keys, sibling.pooled = (
+            handle.prompt_keys,
+            handle.pooled,
+        )  # the request's one hash, lookup
         self.inflight[rid] = sibling
         return sibling
 

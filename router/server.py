@@ -53,7 +53,7 @@ from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import ROUTING_MODES, PrefillRouting, RoutingConfig
 from kvferry.router.relay import Relay, StreamRelay, response
 from kvferry.router.sequences import LeaderGone, Sequences
-from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, SloAdmission
+from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, SloAdmission, check_default_target
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
@@ -523,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ssl-certfile and --ssl-keyfile go together")
     if args.request_timeout_s <= 0:
         p.error("--request-timeout-s must be > 0")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        try:
+            check_default_target("--" + name.replace("_", "-"), getattr(args, name))
+        except ValueError as err:
+            p.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = config_from(
         args,

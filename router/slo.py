@@ -50,6 +50,7 @@ MISS_QUANTILE = 0.9
 MIN_RATIOS = 20
 RATIO_WINDOW = 256
 DEFAULT_TOKEN_BUDGET = 512  # a worker whose heartbeat does not say its step's token budget
+TPOT_OUTPUT_CAP = 512  # output tokens counted in a request's mean decode context at most
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class Targets:
     @property
     def any(self) -> bool:
         return self.ttft_ms is not None or self.tpot_ms is not None
+
+
+def check_default_target(name: str, value: float | None) -> None:
+    """A cluster-wide target (`--slo-ttft-ms`, `--slo-tpot-ms`): None, or milliseconds in (0, a day]."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_SLO_MS):
+        raise ValueError(f"{name} must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}], got {value}")
 
 
 def resolve_targets(slo, default_ttft_ms: float | None, default_tpot_ms: float | None) -> Targets:
@@ -102,7 +109,12 @@ class Prediction:
 class _Queued:
     priority: int
     seq: int
-    left_ms: float  # predicted work left
+    cost_ms: float  # predicted work
+    left_ms: float  # of it, left
+
+    @property
+    def started(self) -> bool:
+        return self.left_ms < self.cost_ms
 
 
 @dataclass
@@ -114,14 +126,18 @@ class _WorkerQueue:
 class PrefillQueues:
     """The prefills the router has in flight on each prefill worker and their predicted work left. A
     worker is taken to serve its queue in (priority, arrival) order, one millisecond of work per
-    millisecond of time: `wait_ms` is the work left ahead of a new request of a given priority."""
+    millisecond of time: `wait_ms` is the work left ahead of a new request of a given priority — the same
+    or a higher priority's, and a lower priority's already started (a running prefill keeps its chunks'
+    token budget: engine.scheduler preempts for blocks and seats, not for budget)."""
 
     def __init__(self):
         self.workers: dict[str, _WorkerQueue] = {}
         self._seq = 0
 
-    def _serve(self, worker: str, now: float) -> _WorkerQueue:
-        q = self.workers.setdefault(worker, _WorkerQueue(updated=now))
+    def _serve(self, worker: str, now: float) -> _WorkerQueue | None:
+        q = self.workers.get(worker)
+        if q is None:
+            return None
         elapsed = max(0.0, (now - q.updated) * 1e3)
         q.updated = now
         for entry in sorted(q.entries.values(), key=lambda e: (e.priority, e.seq)):
@@ -134,17 +150,23 @@ class PrefillQueues:
 
     def wait_ms(self, worker: str, priority: int, now: float | None = None) -> float:
         q = self._serve(worker, time.monotonic() if now is None else now)
-        return sum(e.left_ms for e in q.entries.values() if e.priority <= priority)
+        if q is None:
+            return 0.0
+        return sum(e.left_ms for e in q.entries.values() if e.priority <= priority or e.started)
 
     def add(
         self, worker: str, request_id: str, priority: int, cost_ms: float, now: float | None = None
     ) -> None:
-        q = self._serve(worker, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        q = self._serve(worker, now) or self.workers.setdefault(worker, _WorkerQueue(updated=now))
         self._seq += 1
-        q.entries[request_id] = _Queued(priority, self._seq, max(0.0, cost_ms))
+        cost = max(0.0, cost_ms)
+        q.entries[request_id] = _Queued(priority, self._seq, cost, cost)
 
     def remove(self, worker: str, request_id: str, now: float | None = None) -> None:
         q = self._serve(worker, time.monotonic() if now is None else now)
+        if q is None:
+            return
         q.entries.pop(request_id, None)
         if not q.entries:
             del self.workers[worker]
@@ -189,7 +211,9 @@ class SloAdmission:
             wait = self.prefill_queues.wait_ms(member.member_id, handle.priority, now)
             if best is None or wait + own < best[0] + best[1]:
                 best = (wait, own, member.member_id)
-        tpot = self._predict_tpot(len(handle.ids) + handle.params.max_tokens // 2)
+        # the mean context over its decode; max_tokens may be "as many as fit" (a chat request leaving it
+        # unset), so the outputs it counts are capped
+        tpot = self._predict_tpot(len(handle.ids) + min(handle.params.max_tokens, TPOT_OUTPUT_CAP) // 2)
         if best is None:
             return Prediction(None, tpot_ms=tpot)
         wait, own, worker = best
@@ -264,8 +288,8 @@ class SloAdmission:
     def first_token(self, handle, ttft_ms: float) -> None:
         """The request's TTFT is known: learn the offset, and record prediction against actual."""
         prediction = getattr(handle, "prediction", None)
-        if prediction is None or prediction.ttft_ms is None:
-            return
+        if prediction is None or prediction.ttft_ms is None or handle.priority == DEPRIORITIZED:
+            return  # (a deprioritized request waited at another priority than it was predicted at)
         predicted = prediction.ttft_ms
         self.metrics.predicted_ttft(predicted, ttft_ms)
         if predicted > 0:

@@ -14,6 +14,7 @@ class FlakyEngine:
     def __init__(self):
         self.calls = 0
         self.pending = 2
+        self.num_steps = 0
 
     def has_unfinished(self) -> bool:
         return self.pending > 0
@@ -23,6 +24,7 @@ class FlakyEngine:
         self.pending -= 1
         if self.calls == 1:
             raise RuntimeError("boom")
+        self.num_steps += 1
         return ["out"]
 
 
@@ -51,6 +53,7 @@ class CountingEngine:
         self.scheduler = type("Sched", (), {"running": [None] * running})()
         self.left = steps
         self.times: list[float] = []
+        self.num_steps = 0
 
     def has_unfinished(self) -> bool:
         return self.left > 0
@@ -58,6 +61,7 @@ class CountingEngine:
     def step(self, join=False):
         self.times.append(time.perf_counter())
         self.left -= 1
+        self.num_steps += 1
         return []
 
 
@@ -81,6 +85,19 @@ def test_paced_steps_wait_for_the_interval_once_enough_requests_run():
     assert sum(fast) < 0.030 * len(fast) / 2
     # no interval: no pacing
     assert sum(run_steps(CountingEngine(running=8, steps=50))) < 0.030 * 49 / 2
+
+
+def test_the_loop_reports_the_interval_its_streams_see():
+    """`step_interval_ms`: the running mean of the time between forward passes (SLO admission's TPOT)."""
+    engine = CountingEngine(running=4, steps=8)
+    loop = EngineLoop(engine, lambda outputs: None, step_interval_ms=30)
+    loop.start()
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    loop.stop()
+    loop.join(10)
+    assert 29 <= loop.step_interval_ms < 200
 
 
 class IdleEngine:

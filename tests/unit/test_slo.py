@@ -72,9 +72,10 @@ def test_prefill_queues_serve_in_priority_then_arrival_order():
     q.remove("w", "b", now=0.06)
     assert q.wait_ms("w", 9, now=0.06) == pytest.approx(100)  # then the low one is served
     assert q.wait_ms("w", 9, now=0.11) == pytest.approx(50)
+    assert q.wait_ms("w", 0, now=0.11) == pytest.approx(50)  # started: it keeps its chunks, so it is ahead
     q.remove("w", "a", now=0.11)
     q.remove("w", "low", now=0.11)
-    assert q.workers == {} and q.wait_ms("other", 0) == 0
+    assert q.workers == {} and q.wait_ms("other", 0) == 0 and q.workers == {}  # a read makes no entry
 
 
 def test_targets_come_from_the_request_else_the_cluster_and_are_checked():
