@@ -65,7 +65,8 @@ class CountingEngine:
         return []
 
 
-def run_steps(engine, **kwargs) -> list[float]:
+def run_loop(engine, **kwargs) -> EngineLoop:
+    """Run an EngineLoop over `engine` until it has no work left; the stopped loop."""
     loop = EngineLoop(engine, lambda outputs: None, **kwargs)
     loop.start()
     deadline = time.monotonic() + 10
@@ -74,6 +75,11 @@ def run_steps(engine, **kwargs) -> list[float]:
     loop.stop()
     loop.join(10)
     assert not engine.has_unfinished()
+    return loop
+
+
+def run_steps(engine, **kwargs) -> list[float]:
+    run_loop(engine, **kwargs)
     return [b - a for a, b in zip(engine.times, engine.times[1:], strict=False)]
 
 
@@ -89,14 +95,7 @@ def test_paced_steps_wait_for_the_interval_once_enough_requests_run():
 
 def test_the_loop_reports_the_interval_its_streams_see():
     """`step_interval_ms`: the running mean of the time between forward passes (SLO admission's TPOT)."""
-    engine = CountingEngine(running=4, steps=8)
-    loop = EngineLoop(engine, lambda outputs: None, step_interval_ms=30)
-    loop.start()
-    deadline = time.monotonic() + 10
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    loop.stop()
-    loop.join(10)
+    loop = run_loop(CountingEngine(running=4, steps=8), step_interval_ms=30)
     assert 29 <= loop.step_interval_ms < 200
 
 
