@@ -59,6 +59,7 @@ class Outcome:
     tokens: int = 0
     router_ttft_ms: float | None = None
     predicted_ttft_ms: float | None = None
+    detail: str = ""  # a refusal's reason
 
     def met(self, ttft_ms: float, tpot_ms: float) -> bool:
         return (
@@ -84,6 +85,7 @@ def one(client: Client, request: generate_pb2.GenerateRequest, out: Outcome) -> 
                 out.predicted_ttft_ms = t.predicted_ttft_ms or None
     except grpc.RpcError as err:
         out.status = err.code().name
+        out.detail = err.details() or ""
     if first is not None:
         out.ttft_ms = (first - out.sent) * 1e3
         if out.tokens > 1:

@@ -8,14 +8,15 @@ come from the workers themselves: each engine fits its step time against the tok
 of its batches (`engine.cost_model`) and publishes the fit in its heartbeat. From those:
 
 - **TTFT** on a prefill worker = the work queued ahead of the request there + its own prefill. The router
-  knows every prefill it has in flight on each worker (`PrefillQueues`): their predicted cost, served
-  in (priority, arrival) order as time passes, so only work of the same or a higher priority counts as
-  ahead. Its own prefill is priced for the tokens that worker would compute (`PrefillRouting.preview`:
-  pool hits and the worker's expected local hits taken off), in chunks of the worker's token budget. The
-  prediction is the best worker's, plus a learned offset: the running mean of (actual - predicted) over
-  the requests served (the hops, the KV write, what the step model misses). A request is admitted when
-  its prediction times the 90th percentile of recent actual / predicted ratios makes its target, so the
-  prediction's own error sends few admitted requests over it.
+  knows every prefill it has in flight on each worker (`PrefillQueues`) and its predicted cost: work of
+  the same or a higher priority counts as ahead, of a lower one at most the prefill it may be running.
+  Its own prefill is priced for the tokens that worker would compute (`PrefillRouting.preview`: pool hits
+  and the worker's expected local hits taken off), in chunks of the worker's token budget. The
+  prediction is the best worker's, times a learned scale: the median of actual / priced TTFT over the
+  recent requests served at the same priority (the hops, the KV write, the cores prefill shares, what
+  the step model misses). A request is admitted when its prediction times the 90th percentile of recent
+  actual / predicted ratios at its priority makes its target, so the prediction's own error sends few
+  admitted requests over it. Both forget samples after 10 s.
 - **TPOT** on a decode worker = its step time with one more sequence in its batch (at the request's mean
   context), no less than its pacing interval when it paces, nor than the interval its running streams
   see now (`step_interval_ms`: with prefill on the same cores, what prefill leaves it); the best decode
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -42,13 +43,18 @@ ADMISSION_MODES = ("predictive", "cap")
 MISS_ACTIONS = ("reject", "deprioritize")
 DEPRIORITIZED = 2**31 - 1  # the priority a deprioritized request is queued at: behind every other
 MAX_SLO_MS = 86_400_000.0  # a day
-BIAS_WEIGHT = 0.05  # the learned offset's step towards each new (actual - predicted)
-# A request is admitted when its predicted TTFT, times the MISS_QUANTILE of recent actual / predicted
+# What is learned from served requests, per priority (a lower priority's waits also stretch with later,
+# higher-priority arrivals, which no prediction can see): the scale is the median of actual / priced TTFT,
+# and a request is admitted when its predicted TTFT, times the MISS_QUANTILE of the actual / predicted
 # ratios (once there are MIN_RATIOS of them), makes the target: at most ~10% of the admitted miss by the
-# prediction's own error, rather than half of those predicted just under it.
+# prediction's own error, rather than half of those predicted just under it. Samples older than
+# SAMPLE_TTL_S are dropped, so a bad spell is forgotten soon even when it refused every request after it
+# (and so taught nothing new).
 MISS_QUANTILE = 0.9
 MIN_RATIOS = 20
-RATIO_WINDOW = 256
+MIN_SCALES = 5
+SAMPLE_WINDOW = 256
+SAMPLE_TTL_S = 10.0
 DEFAULT_TOKEN_BUDGET = 512  # a worker whose heartbeat does not say its step's token budget
 TPOT_OUTPUT_CAP = 512  # output tokens counted in a request's mean decode context at most
 
@@ -105,70 +111,32 @@ class Prediction:
         return None
 
 
-@dataclass
-class _Queued:
-    priority: int
-    seq: int
-    cost_ms: float  # predicted work
-    left_ms: float  # of it, left
-
-    @property
-    def started(self) -> bool:
-        return self.left_ms < self.cost_ms
-
-
-@dataclass
-class _WorkerQueue:
-    entries: dict[str, _Queued] = field(default_factory=dict)
-    updated: float = 0.0  # time.monotonic() the entries were last served to
-
-
 class PrefillQueues:
-    """The prefills the router has in flight on each prefill worker and their predicted work left. A
-    worker is taken to serve its queue in (priority, arrival) order, one millisecond of work per
-    millisecond of time: `wait_ms` is the work left ahead of a new request of a given priority — the same
-    or a higher priority's, and a lower priority's already started (a running prefill keeps its chunks'
-    token budget: engine.scheduler preempts for blocks and seats, not for budget)."""
+    """The prefills the router has in flight on each prefill worker, with their predicted cost. An entry
+    leaves when the worker answers, so a worker's entries are its real backlog, priced: `wait_ms` for a
+    new request of a given priority is the cost of every entry of the same or a higher priority, plus the
+    largest lower-priority one (which the worker may be running: a running prefill keeps its chunks' token
+    budget; engine.scheduler preempts for blocks and seats, not for budget). The head's work is partly
+    done and the worker is slower than its steps alone (KV writes, the cores it shares): the calibration
+    `SloAdmission` learns from served requests absorbs both."""
 
     def __init__(self):
-        self.workers: dict[str, _WorkerQueue] = {}
-        self._seq = 0
+        self.workers: dict[str, dict[str, tuple[int, float]]] = {}  # worker -> request -> (priority, cost)
 
-    def _serve(self, worker: str, now: float) -> _WorkerQueue | None:
-        q = self.workers.get(worker)
-        if q is None:
-            return None
-        elapsed = max(0.0, (now - q.updated) * 1e3)
-        q.updated = now
-        for entry in sorted(q.entries.values(), key=lambda e: (e.priority, e.seq)):
-            if elapsed <= 0:
-                break
-            done = min(entry.left_ms, elapsed)
-            entry.left_ms -= done
-            elapsed -= done
-        return q
+    def wait_ms(self, worker: str, priority: int) -> float:
+        entries = self.workers.get(worker, {}).values()
+        ahead = sum(cost for p, cost in entries if p <= priority)
+        return ahead + max((cost for p, cost in entries if p > priority), default=0.0)
 
-    def wait_ms(self, worker: str, priority: int, now: float | None = None) -> float:
-        q = self._serve(worker, time.monotonic() if now is None else now)
-        if q is None:
-            return 0.0
-        return sum(e.left_ms for e in q.entries.values() if e.priority <= priority or e.started)
+    def add(self, worker: str, request_id: str, priority: int, cost_ms: float) -> None:
+        self.workers.setdefault(worker, {})[request_id] = (priority, max(0.0, cost_ms))
 
-    def add(
-        self, worker: str, request_id: str, priority: int, cost_ms: float, now: float | None = None
-    ) -> None:
-        now = time.monotonic() if now is None else now
-        q = self._serve(worker, now) or self.workers.setdefault(worker, _WorkerQueue(updated=now))
-        self._seq += 1
-        cost = max(0.0, cost_ms)
-        q.entries[request_id] = _Queued(priority, self._seq, cost, cost)
-
-    def remove(self, worker: str, request_id: str, now: float | None = None) -> None:
-        q = self._serve(worker, time.monotonic() if now is None else now)
-        if q is None:
+    def remove(self, worker: str, request_id: str) -> None:
+        entries = self.workers.get(worker)
+        if entries is None:
             return
-        q.entries.pop(request_id, None)
-        if not q.entries:
+        entries.pop(request_id, None)
+        if not entries:
             del self.workers[worker]
 
 
@@ -186,20 +154,36 @@ class SloAdmission:
 
     def _init_slo(self) -> None:
         self.prefill_queues = PrefillQueues()
-        self.ttft_bias_ms = 0.0  # learned: the mean of (actual - predicted) TTFT
-        self._bias_samples = 0
-        self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)  # recent actual / predicted TTFT
+        # per priority: (time.monotonic(), actual / priced TTFT, actual / predicted TTFT) of recent served
+        # requests
+        self._samples: dict[int, deque[tuple[float, float, float]]] = {}
 
-    def ttft_margin(self) -> float:
-        """The MISS_QUANTILE of recent actual / predicted TTFT ratios (1 until there are enough)."""
-        if len(self._ratios) < MIN_RATIOS:
+    def _recent(self, priority: int) -> list[tuple[float, float, float]]:
+        samples = self._samples.get(priority)
+        if samples is None:
+            return []
+        oldest = time.monotonic() - SAMPLE_TTL_S
+        while samples and samples[0][0] < oldest:
+            samples.popleft()
+        return list(samples)
+
+    def ttft_scale(self, priority: int) -> float:
+        """The median of recent actual / priced TTFT at this priority (1 until there are enough): how much
+        slower than its priced steps a worker gets through its backlog (KV writes, hops, the cores it
+        shares), less the head's work already done."""
+        scales = sorted(s[1] for s in self._recent(priority))
+        return scales[len(scales) // 2] if len(scales) >= MIN_SCALES else 1.0
+
+    def ttft_margin(self, priority: int) -> float:
+        """The MISS_QUANTILE of recent actual / predicted TTFT ratios at this priority (1 until there
+        are enough)."""
+        ratios = sorted(s[2] for s in self._recent(priority))
+        if len(ratios) < MIN_RATIOS:
             return 1.0
-        ordered = sorted(self._ratios)
-        return max(1.0, ordered[min(len(ordered) - 1, int(MISS_QUANTILE * len(ordered)))])
+        return max(1.0, ratios[min(len(ratios) - 1, int(MISS_QUANTILE * len(ratios)))])
 
     def predict(self, handle) -> Prediction:
         """The TTFT (best prefill worker) and TPOT (best decode worker) predicted for `handle` now."""
-        now = time.monotonic()
         best = None
         for member, compute in self.routing.preview(
             handle.prompt_keys.block_keys, handle.pooled, len(handle.ids)
@@ -208,7 +192,7 @@ class SloAdmission:
             if cost is None:
                 continue
             own = cost.prompt_ms(compute, budget, len(handle.ids) - compute)
-            wait = self.prefill_queues.wait_ms(member.member_id, handle.priority, now)
+            wait = self.prefill_queues.wait_ms(member.member_id, handle.priority)
             if best is None or wait + own < best[0] + best[1]:
                 best = (wait, own, member.member_id)
         # the mean context over its decode; max_tokens may be "as many as fit" (a chat request leaving it
@@ -217,7 +201,7 @@ class SloAdmission:
         if best is None:
             return Prediction(None, tpot_ms=tpot)
         wait, own, worker = best
-        return Prediction(max(0.0, wait + own + self.ttft_bias_ms), wait, own, worker, tpot)
+        return Prediction((wait + own) * self.ttft_scale(handle.priority), wait, own, worker, tpot)
 
     def _predict_tpot(self, context: int) -> float | None:
         best = None
@@ -246,7 +230,7 @@ class SloAdmission:
         if self.cfg.admission != "predictive" or self.cfg.colocated:
             return
         handle.prediction = prediction = self.predict(handle)
-        margin = self.ttft_margin()
+        margin = self.ttft_margin(handle.priority)
         miss = prediction.miss(handle.targets, margin)
         if miss is None:
             return
@@ -259,8 +243,9 @@ class SloAdmission:
             target = handle.targets.ttft_ms
             why = (
                 f"predicted TTFT {prediction.ttft_ms:.0f} ms misses the request's target of {target:.0f} ms"
-                f" (queued work ahead {prediction.wait_ms:.0f} ms + its prefill"
-                f" {prediction.prefill_ms:.0f} ms on {prediction.worker}"
+                f" (priced: queued work ahead {prediction.wait_ms:.0f} ms + its prefill"
+                f" {prediction.prefill_ms:.0f} ms on {prediction.worker},"
+                f" x{self.ttft_scale(handle.priority):.2f} as this cluster runs"
                 + (f"; x{margin:.2f} for the prediction's recent error)" if margin > 1 else ")")
             )
             retry_s = max(1.0, (prediction.ttft_ms * margin - target) / 1e3)
@@ -292,9 +277,10 @@ class SloAdmission:
             return  # (a deprioritized request waited at another priority than it was predicted at)
         predicted = prediction.ttft_ms
         self.metrics.predicted_ttft(predicted, ttft_ms)
-        if predicted > 0:
-            self._ratios.append(ttft_ms / predicted)
-        unbiased = prediction.wait_ms + prediction.prefill_ms
-        self._bias_samples += 1
-        weight = max(BIAS_WEIGHT, 1.0 / self._bias_samples)  # a plain mean over the first samples
-        self.ttft_bias_ms += weight * (ttft_ms - unbiased - self.ttft_bias_ms)
+        if predicted <= 0:
+            return
+        priced = prediction.wait_ms + prediction.prefill_ms
+        if priced <= 0:
+            return
+        samples = self._samples.setdefault(handle.priority, deque(maxlen=SAMPLE_WINDOW))
+        samples.append((time.monotonic(), ttft_ms / priced, ttft_ms / predicted))

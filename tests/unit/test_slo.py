@@ -60,21 +60,19 @@ def test_heartbeat_lists_are_checked():
         assert StepCost.from_list(bad) is None
 
 
-def test_prefill_queues_serve_in_priority_then_arrival_order():
+def test_prefill_queues_count_the_work_ahead_of_each_priority():
     q = PrefillQueues()
-    q.add("w", "low", priority=5, cost_ms=100, now=0.0)
-    q.add("w", "a", priority=0, cost_ms=40, now=0.0)
-    q.add("w", "b", priority=0, cost_ms=30, now=0.0)
-    assert q.wait_ms("w", 0, now=0.0) == 70  # the low one is not ahead of priority 0
-    assert q.wait_ms("w", 5, now=0.0) == 170
-    assert q.wait_ms("w", 0, now=0.05) == pytest.approx(20)  # 50 ms served: a done, b 20 left
-    assert q.wait_ms("w", 9, now=0.05) == pytest.approx(120)
-    q.remove("w", "b", now=0.06)
-    assert q.wait_ms("w", 9, now=0.06) == pytest.approx(100)  # then the low one is served
-    assert q.wait_ms("w", 9, now=0.11) == pytest.approx(50)
-    assert q.wait_ms("w", 0, now=0.11) == pytest.approx(50)  # started: it keeps its chunks, so it is ahead
-    q.remove("w", "a", now=0.11)
-    q.remove("w", "low", now=0.11)
+    q.add("w", "low", priority=5, cost_ms=100)
+    q.add("w", "a", priority=0, cost_ms=40)
+    q.add("w", "b", priority=0, cost_ms=30)
+    q.add("w", "lower", priority=7, cost_ms=60)
+    assert q.wait_ms("w", 0) == 70 + 100  # its priority's, and at most the one lower prefill it may run
+    assert q.wait_ms("w", 5) == 170 + 60
+    assert q.wait_ms("w", 9) == 230
+    q.remove("w", "a")
+    assert q.wait_ms("w", 0) == 30 + 100
+    for rid in ("b", "low", "lower", "gone"):
+        q.remove("w", rid)
     assert q.workers == {} and q.wait_ms("other", 0) == 0 and q.workers == {}  # a read makes no entry
 
 
