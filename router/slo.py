@@ -55,6 +55,7 @@ MIN_RATIOS = 20
 MIN_SCALES = 5
 SAMPLE_WINDOW = 256
 SAMPLE_TTL_S = 10.0
+MAX_PRIORITY_LEVELS = 64  # priorities learned about at once (clients choose them: the memory is bounded)
 DEFAULT_TOKEN_BUDGET = 512  # a worker whose heartbeat does not say its step's token budget
 TPOT_OUTPUT_CAP = 512  # output tokens counted in a request's mean decode context at most
 
@@ -271,7 +272,8 @@ class SloAdmission:
         self.prefill_queues.remove(member.member_id, handle.request_id)
 
     def first_token(self, handle, ttft_ms: float) -> None:
-        """The request's TTFT is known: learn the offset, and record prediction against actual."""
+        """The request's TTFT is known: learn the scale and the error, and record prediction against
+        actual."""
         prediction = getattr(handle, "prediction", None)
         if prediction is None or prediction.ttft_ms is None or handle.priority == DEPRIORITIZED:
             return  # (a deprioritized request waited at another priority than it was predicted at)
@@ -282,5 +284,10 @@ class SloAdmission:
         priced = prediction.wait_ms + prediction.prefill_ms
         if priced <= 0:
             return
-        samples = self._samples.setdefault(handle.priority, deque(maxlen=SAMPLE_WINDOW))
+        samples = self._samples.get(handle.priority)
+        if samples is None:
+            if len(self._samples) >= MAX_PRIORITY_LEVELS:  # forget the level heard from least recently
+                stale = min(self._samples, key=lambda p: self._samples[p][-1][0] if self._samples[p] else 0.0)
+                del self._samples[stale]
+            samples = self._samples[handle.priority] = deque(maxlen=SAMPLE_WINDOW)
         samples.append((time.monotonic(), ttft_ms / priced, ttft_ms / predicted))

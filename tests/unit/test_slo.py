@@ -96,3 +96,34 @@ def test_a_prediction_misses_only_the_targets_it_exceeds():
     assert p.miss(Targets(ttft_ms=500.0)) == "ttft"
     assert p.miss(Targets(tpot_ms=30.0)) == "tpot"
     assert Prediction(ttft_ms=None).miss(Targets(ttft_ms=1.0)) is None  # nothing to predict with yet
+
+
+def test_what_admission_learns_is_per_priority_bounded_and_forgotten(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvferry.router import slo
+
+    class Learner(slo.SloAdmission):
+        metrics = SimpleNamespace(predicted_ttft=lambda predicted, actual: None)
+
+    learner = Learner()
+    learner._init_slo()
+    clock = [100.0]
+    monkeypatch.setattr(slo.time, "monotonic", lambda: clock[0])
+
+    def served(priority: int, priced: float, actual: float) -> None:
+        prediction = Prediction(ttft_ms=priced, wait_ms=priced / 2, prefill_ms=priced / 2)
+        learner.first_token(SimpleNamespace(prediction=prediction, priority=priority), actual)
+
+    for _ in range(30):
+        served(1, 100.0, 250.0)  # the low class waits 2.5x what was priced
+    served(0, 100.0, 110.0)
+    assert learner.ttft_scale(1) == pytest.approx(2.5) and learner.ttft_margin(1) == pytest.approx(2.5)
+    assert learner.ttft_scale(0) == 1.0  # too few samples at priority 0: the low class does not leak in
+    served(slo.DEPRIORITIZED, 100.0, 9000.0)
+    assert slo.DEPRIORITIZED not in learner._samples
+    clock[0] += slo.SAMPLE_TTL_S + 1  # a spell with nothing served: forgotten
+    assert learner.ttft_scale(1) == 1.0 and learner.ttft_margin(1) == 1.0
+    for p in range(3 * slo.MAX_PRIORITY_LEVELS):
+        served(p, 100.0, 100.0)
+    assert len(learner._samples) == slo.MAX_PRIORITY_LEVELS
