@@ -18,7 +18,10 @@ prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_
 decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
 drain_timeout_s: 60    # a stopping worker (scale-down, shutdown) finishes its requests for this long
 ray: {address: null, max_restarts: 10, log_dir: null}   # `kvferry up --ray`
-restarts: {max: 5, window_s: 600, backoff_s: 1, max_backoff_s: 30}   # `kvferry up`: a dead unit's
+restarts: {max: 5, window_s: 600, backoff_s: 1, max_backoff_s: 30}   # `kvferry up`: a dead unit's restarts
+autoscale: {enabled: false, prefill: [1, 4], decode: [1, 4], max_groups: null,   # the planner
+            interval_s: 2, cooldown_s: 30, ttft_ms: null, tpot_ms: null, utilization: 0.8,
+            down_margin: 1.25}   # (deploy.planner; null targets: router.slo_*_ms, else 1000 / 100)
 ```
 A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_size` (decode) processes.
 `prefill` and `decode` also take a list of such mappings: groups of different degrees side by side.
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from kvferry.deploy.planner import AutoscaleSettings
 from kvferry.engine.engine import EngineConfig
 from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
 from kvferry.kvpool.transfer import BlockLayout
@@ -219,6 +223,8 @@ class ClusterConfig:
     colocated: bool = False
     # how `kvferry up` shares one host's cores between worker processes (see host_placement)
     placement: str = "prefill-first"
+    # the planner (deploy.planner): prefill / decode groups set from live load (`kvferry up --autoscale`)
+    autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
 
     def validate(self) -> None:
         for role in ("prefill", "decode"):
@@ -282,6 +288,12 @@ class ClusterConfig:
             raise ClusterConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
             )
+        try:
+            self.autoscale.validate()
+        except ValueError as err:
+            raise ClusterConfigError(str(err)) from None
+        if self.autoscale.enabled and self.colocated:
+            raise ClusterConfigError("autoscale: a colocated cluster has no prefill groups to plan")
         _check_resources("pool.resources", self.pool.resources)
         for role in ("prefill", "decode"):
             for settings in self.groups(role):
@@ -447,6 +459,21 @@ class ClusterConfig:
             if values.get(f"{group}_replicas") is not None:
                 count = values[f"{group}_replicas"]
                 cfg = cfg._each(group, lambda s, n=count: replace(s, replicas=n))
+        auto = {}
+        if values.get("autoscale"):
+            auto["enabled"] = True
+        for key in ("prefill", "decode"):
+            if values.get(f"autoscale_{key}") is not None:
+                try:
+                    auto[key] = _bounds(values[f"autoscale_{key}"], key)
+                except (TypeError, ValueError) as err:
+                    raise ClusterConfigError(f"--autoscale-{key} must be MIN:MAX ({err})") from None
+        for key in ("max_groups", "cooldown_s"):
+            if values.get(f"autoscale_{key}") is not None:
+                auto[key] = values[f"autoscale_{key}"]
+        if auto:
+            cfg = replace(cfg, autoscale=replace(cfg.autoscale, **auto))
+            cfg.validate()
         return cfg
 
     def _each(self, role: str, fn) -> ClusterConfig:
@@ -478,12 +505,21 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
         ("pool", PoolSettings),
         ("ray", RaySettings),
         ("restarts", RestartSettings),
+        ("autoscale", AutoscaleSettings),
     )
     for name, cls in sections:
         if name in raw:
             kwargs[name] = _section(cls, raw.pop(name) or {}, name)
     if isinstance(raw.get("internal_tls"), bool):  # YAML 1.1 reads a bare on / off as a boolean
         raw["internal_tls"] = "on" if raw["internal_tls"] else "off"
+    if "autoscale" in kwargs:  # YAML gives [min, max] lists
+        auto = kwargs["autoscale"]
+        try:
+            kwargs["autoscale"] = replace(
+                auto, prefill=_bounds(auto.prefill, "prefill"), decode=_bounds(auto.decode, "decode")
+            )
+        except (TypeError, ValueError) as err:
+            raise ClusterConfigError(f"autoscale: {err}") from None
     if "router" in kwargs:  # YAML gives a list (or null)
         kwargs["router"] = replace(kwargs["router"], api_keys=tuple(kwargs["router"].api_keys or ()))
     for group in ("prefill", "decode"):
@@ -496,6 +532,16 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     cfg = ClusterConfig(**raw, **kwargs)
     cfg.validate()
     return cfg
+
+
+def _bounds(value, role: str) -> tuple[int, int]:
+    """A role's autoscale bounds: [min, max] (a list or "min:max")."""
+    if isinstance(value, str):
+        value = value.split(":")
+    lo, hi = value
+    if isinstance(lo, bool) or isinstance(hi, bool):
+        raise ValueError(f"{role} bounds must be two integers, got {value!r}")
+    return int(lo), int(hi)
 
 
 def _group(section: dict, role: str) -> WorkerGroupSettings:
@@ -532,8 +578,10 @@ def cluster_config_to_dict(cfg: ClusterConfig) -> dict:
         return {"replicas": s.replicas, **s.engine, **({"resources": s.resources} if s.resources else {})}
 
     out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    for name in ("router", "pool", "ray", "restarts"):
+    for name in ("router", "pool", "ray", "restarts", "autoscale"):
         out[name] = {f.name: getattr(out[name], f.name) for f in fields(out[name])}
+    for role in ("prefill", "decode"):
+        out["autoscale"][role] = list(getattr(cfg.autoscale, role))
     out["router"]["api_keys"] = list(cfg.router.api_keys)
     for role in ("prefill", "decode"):
         value = getattr(cfg, role)

@@ -43,6 +43,7 @@ from kvferry.auth import SECRET_ENV, TLS_ENVS, cluster_secret, new_secret
 from kvferry.deploy import scaling
 from kvferry.deploy.cluster_ca import ClusterCA, launcher_ca
 from kvferry.deploy.config import ClusterConfig, Placement, cluster_layout
+from kvferry.deploy.planner import Autoscaler, start_autoscaler
 from kvferry.deploy.readiness import reachable, wait_until_ready
 from kvferry.deploy.redis_server import (
     LaunchError,
@@ -112,6 +113,8 @@ class LocalCluster:
     _lock: threading.RLock = field(default_factory=threading.RLock)  # children's states and procs
     _stopping: threading.Event = field(default_factory=threading.Event)
     _watcher: threading.Thread | None = None
+    _scale_lock: threading.Lock = field(default_factory=threading.Lock)  # one scale at a time
+    autoscaler: Autoscaler | None = None  # the planner (cfg.autoscale.enabled)
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -193,6 +196,9 @@ class LocalCluster:
                 child.supervised = True
         self._watcher = threading.Thread(target=self._watch, name="kvferry-watcher", daemon=True)
         self._watcher.start()
+        if cfg.autoscale.enabled:
+            say = lambda line: self._report(f"kvferry: {line}")  # noqa: E731
+            self.autoscaler = start_autoscaler(cfg, self.redis_url, self.counts, self.scale, say)
         return self.router_addr
 
     def _set_secret(self) -> None:
@@ -266,7 +272,14 @@ class LocalCluster:
     def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
         """Set the number of prefill / decode groups (deploy.scaling.scale: new groups register before the
         newest surplus ones drain and exit; a failed scale kills what it started and raises)."""
-        scaling.scale(self, self.cfg, prefill, decode)
+        with self._scale_lock:
+            if self._stopping.is_set():
+                raise scaling.ScaleRefused("the cluster is stopping")
+            scaling.scale(self, self.cfg, prefill, decode)
+
+    def counts(self) -> tuple[int, int]:
+        """(prefill, decode) groups that serve or will serve again."""
+        return len(self.live_groups("prefill")), len(self.live_groups("decode"))
 
     # -- deploy.scaling.GroupLauncher ------------------------------------------------------------------
     def live_groups(self, role: str) -> list[Child]:
@@ -277,7 +290,11 @@ class LocalCluster:
             return list(self.groups[role])
 
     def wait_ready(self, started: list[Child], deadline: float) -> None:
-        check = lambda: self._check_alive(started)  # noqa: E731
+        def check() -> None:
+            if self._stopping.is_set():
+                raise LaunchError("the cluster is stopping")
+            self._check_alive(started)
+
         wait_until_ready(self.router_addr, self.want, deadline, check, self.say, **self.probe_args())
         with self._lock:
             for child in started:
@@ -372,6 +389,9 @@ class LocalCluster:
         restarted from the moment stop() begins."""
         with self._lock:
             self._stopping.set()
+        if self.autoscaler is not None:  # a scale in progress gives up (wait_ready sees the stop)
+            self.autoscaler.stop(timeout_s=30)
+        with self._lock:
             children = list(self.children)
         for kind in STOP_ORDER:
             tier = [c for c in children if _kind(c.name) == kind]

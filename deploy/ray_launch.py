@@ -212,6 +212,7 @@ class Controller:
         self.phase = "starting"
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.autoscaler = None  # the planner (cfg.autoscale.enabled: deploy.planner)
 
     # -- start / stop ---------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -255,13 +256,25 @@ class Controller:
         self._event(f"ready: router at {self.router_addr}{http}")
         self._watcher = threading.Thread(target=self._watch, name="watcher", daemon=True)
         self._watcher.start()
+        if cfg.autoscale.enabled:  # the planner (deploy.planner), through scale() as `kvferry scale`
+            from kvferry.deploy.planner import start_autoscaler
+
+            counts = lambda: (len(self.live_groups("prefill")), len(self.live_groups("decode")))  # noqa: E731
+            self.autoscaler = start_autoscaler(cfg, self.redis_url, counts, self._planned_scale, self._event)
         return self.status()
+
+    def _planned_scale(self, prefill: int, decode: int) -> None:
+        if self._stop.is_set():
+            raise scaling.ScaleRefused("the cluster is stopping")
+        self.scale(prefill, decode)
 
     def shutdown(self) -> None:
         """Stop everything a tier at a time: prefill groups, decode groups (each drains: what is in
         flight finishes, relayed by the router, which goes only after them), router, pool, redis."""
         self._stop.set()
         self.phase = "stopping"
+        if self.autoscaler is not None:
+            self.autoscaler.stop(timeout_s=30)
         if self._watcher is not None:
             self._watcher.join(5)
         with self.lock:

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     _eval_parser(sub)
     _up_parser(sub)
     _scale_parser(sub)
+    _plan_parser(sub)
     _down_parser(sub)
     _loadtest_parser(sub)
     args = parser.parse_args(argv)
@@ -406,6 +407,22 @@ def _up_parser(sub) -> None:
         choices=["reject", "deprioritize"],
         help="a predicted SLO miss is refused (429 / RESOURCE_EXHAUSTED, the default) or queued last",
     )
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        default=None,
+        help="the planner sets the prefill / decode groups from live load (deploy.planner)",
+    )
+    up.add_argument(
+        "--autoscale-prefill", metavar="MIN:MAX", default=None, help="prefill groups (default 1:4)"
+    )
+    up.add_argument("--autoscale-decode", metavar="MIN:MAX", default=None, help="decode groups (default 1:4)")
+    up.add_argument(
+        "--autoscale-max-groups", type=int, default=None, help="prefill + decode groups at most (the planner)"
+    )
+    up.add_argument(
+        "--autoscale-cooldown-s", type=float, default=None, help="the planner's wait after each change (30)"
+    )
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests a worker batches at most")
     up.add_argument(
         "--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)"
@@ -505,6 +522,11 @@ def _cmd_up(args) -> int:
         slo_tpot_ms=args.slo_tpot_ms,
         admission=args.admission,
         on_predicted_miss=args.on_predicted_miss,
+        autoscale=args.autoscale,
+        autoscale_prefill=args.autoscale_prefill,
+        autoscale_decode=args.autoscale_decode,
+        autoscale_max_groups=args.autoscale_max_groups,
+        autoscale_cooldown_s=args.autoscale_cooldown_s,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -615,6 +637,117 @@ def _scale_parser(sub) -> None:
     sc.add_argument("--decode", type=int, default=None, help="decode groups wanted")
     _control_args(sc)
     sc.set_defaults(func=_cmd_scale)
+
+
+def _plan_parser(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="recommend prefill / decode group counts for a recorded request trace (the planner's model)",
+    )
+    plan.add_argument(
+        "--trace",
+        type=Path,
+        required=True,
+        help="JSONL, one request a line: arrival_s, prompt_tokens, output_tokens (cached_tokens optional)",
+    )
+    plan.add_argument("--window-s", type=float, default=60.0, help="the trace is planned a window at a time")
+    plan.add_argument("--max-groups", type=int, default=None, help="split this many groups (default: peaks)")
+    plan.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (default 1000)")
+    plan.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target (default 100)")
+    plan.add_argument("--utilization", type=float, default=0.8, help="the busy fraction planned for")
+    costs = plan.add_argument_group(
+        "step costs (the first given: a live cluster's fits, these figures, or measured here on --model)"
+    )
+    costs.add_argument(
+        "--prefill-cost", default=None, metavar="FIXED,PER_TOKEN,PER_KPAIR", help="prefill step model (ms)"
+    )
+    costs.add_argument("--decode-cost", default=None, metavar="FIXED,PER_TOKEN,PER_KPAIR", help="decode (ms)")
+    costs.add_argument("--model", default="bench", help="measure the step costs of this model here")
+    costs.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    costs.add_argument("--token-budget", type=int, default=512, help="prefill tokens a step (chunking)")
+    costs.add_argument("--decode-pace-ms", type=float, default=0.0, help="decode step interval floor")
+    costs.add_argument("--max-num-seqs", type=int, default=256, help="decode batch seats")
+    costs.add_argument("--namespace", default="default", help="the running cluster's namespace")
+    costs.add_argument("--redis-url", default=None, help="a running cluster's Redis: its workers' fits")
+    costs.add_argument("--redis-url-file", type=Path, default=None, help="... read from this file")
+    plan.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args) -> int:
+    from kvferry.deploy import planner
+    from kvferry.engine.cost_model import StepCost
+
+    try:
+        with args.trace.open() as f:
+            rows = planner.read_trace(f)
+    except (OSError, ValueError) as err:
+        print(f"kvferry: error: --trace: {err}", file=sys.stderr)
+        return 2
+    targets = planner.PlanTargets(
+        ttft_ms=args.slo_ttft_ms or planner.DEFAULT_TTFT_MS,
+        tpot_ms=args.slo_tpot_ms or planner.DEFAULT_TPOT_MS,
+        utilization=args.utilization,
+    )
+    if not 0 < targets.utilization <= 1 or targets.ttft_ms <= 0 or targets.tpot_ms <= 0 or args.window_s <= 0:
+        print("kvferry: error: targets and --window-s must be > 0, --utilization in (0, 1]", file=sys.stderr)
+        return 2
+    redis_url = args.redis_url
+    if args.redis_url_file is not None:
+        redis_url = args.redis_url_file.read_text().strip()
+    source = ""
+    if redis_url:  # a running cluster: its workers' own fits
+        from kvferry.kvpool.metadata import MetadataStore, mask_url
+
+        meta = MetadataStore(redis_url, args.namespace)
+        beats = {role: meta.members(role) for role in ("prefill", "decode")}
+        if any(b is None for b in beats.values()):
+            print(f"kvferry: error: cannot read the registry on {mask_url(redis_url)}", file=sys.stderr)
+            return 1
+        prefill = planner.RoleLoad.from_beats(list(beats["prefill"].values()))
+        decode = planner.RoleLoad.from_beats(list(beats["decode"].values()))
+        if prefill.cost is None or decode.cost is None:
+            print(
+                "kvferry: error: the cluster's workers have not fitted their step costs yet", file=sys.stderr
+            )
+            return 1
+        source = f"the workers of namespace {args.namespace!r}"
+    else:
+        parsed = {}
+        for role in ("prefill", "decode"):
+            text = getattr(args, f"{role}_cost")
+            if text is not None:
+                parsed[role] = StepCost.from_list(text.split(","))
+                if parsed[role] is None:
+                    print(f"kvferry: error: --{role}-cost must be three numbers >= 0", file=sys.stderr)
+                    return 2
+        if len(parsed) < 2:
+            measured = planner.calibrate(args.model, args.dtype, say=lambda s: print(s, file=sys.stderr))
+            parsed = {"prefill": measured, "decode": measured} | parsed
+            source = f"measured here on {args.model}"
+        else:
+            source = "given"
+        prefill = planner.RoleLoad(cost=parsed["prefill"], budget=args.token_budget)
+        decode = planner.RoleLoad(
+            cost=parsed["decode"], pace_ms=args.decode_pace_ms, max_num_seqs=args.max_num_seqs
+        )
+    try:
+        plan = planner.plan_trace(rows, prefill, decode, targets, args.window_s, args.max_groups)
+    except ValueError as err:
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 2
+    plan["costs"] = {"source": source, "prefill": prefill.cost.to_list(), "decode": decode.cost.to_list()}
+    plan["slo"] = {"ttft_ms": targets.ttft_ms, "tpot_ms": targets.tpot_ms, "utilization": targets.utilization}
+    for w in plan["windows"]:
+        print(
+            f"{w['start_s']:>8.0f}s  {w['requests']:>6} req  {w['arrival_rps']:>7.2f} req/s  prompt "
+            f"{w['prompt_tokens']:>7.0f}  output {w['output_tokens']:>6.0f}  ->  prefill {w['prefill']} "
+            f"({w['prefill_need']:.2f})  decode {w['decode']} ({w['decode_need']:.2f})",
+            file=sys.stderr,
+        )
+    fixed = plan["fixed"]
+    print(f"recommended: prefill {fixed['prefill']}, decode {fixed['decode']}", file=sys.stderr)
+    print(json.dumps(plan))
+    return 0
 
 
 def _down_parser(sub) -> None:

@@ -165,6 +165,7 @@ class Admission:
         handle = self.inflight[request_id] = Inflight(request_id, time.monotonic() + timeout, t0)
         try:
             handle.ids, handle.params = await self._prepare(request, fill_max_tokens)
+            self.metrics.traffic.arrived(len(handle.ids))  # the planner's demand: refused ones count
             handle.priority = request.priority
             if not self.cfg.colocated:
                 await self._look_up(handle, request.cache_salt)

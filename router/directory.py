@@ -85,6 +85,7 @@ class Directory:
         self._readable_since: dict[str, float | None] = {}
         self._retired: list[Member] = []  # dropped while calls were in flight: closed when they end
         self._malformed: set[str] = set()  # "role:id" of records already logged as unusable
+        self.planners: dict[str, dict] = {}  # the planners' registry records (deploy.planner), for /metrics
 
     async def start(self) -> None:
         await self.refresh()
@@ -136,6 +137,8 @@ class Directory:
                     del current[member_id]
                     await self._retire(member)
         await self._close_idle()
+        if read["planner"] is not None:
+            self.planners = read["planner"]
         nodes = read["pool"]
         if nodes is not None:
             now = time.monotonic()
@@ -152,7 +155,7 @@ class Directory:
     async def _read_all(self) -> dict[str, dict[str, dict] | None]:
         """Each role's (and the pool's) registry records, read in one hop off the loop; None for one
         Redis could not read (then the grace of each of its members restarts at the next good read)."""
-        roles = (*ROLES, "pool")
+        roles = (*ROLES, "pool", "planner")
         read = await asyncio.to_thread(lambda: {role: self.meta.members(role) for role in roles})
         for role, records in read.items():
             if records is None:

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvferry.router.directory import Directory
 from kvferry.router.prefix_routing import REASONS, Choice
+from kvferry.router.traffic import TrafficWindow
 from kvferry.v1 import generate_pb2
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,6 +48,7 @@ class RouterMetrics:
     def __init__(self, model_name: str, directory: Directory):
         disable_created_metrics()  # no *_created series (as vLLM): dashboards never read them
         self.model_name = model_name
+        self.traffic = TrafficWindow()  # the last seconds' traffic, for the planner (router.traffic)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(ClusterCollector(model_name, directory))
         labels = ["model_name"]
@@ -129,6 +131,7 @@ class RouterMetrics:
 
     def predicted_miss(self, reason: str, action: str) -> None:
         self.predicted_misses.labels(self.model_name, reason, action).inc()
+        self.traffic.predicted_miss(reason)
 
     def predicted_ttft(self, predicted_ms: float, actual_ms: float) -> None:
         self.predicted_ttft_hist.labels(self.model_name).observe(predicted_ms / 1e3)
@@ -159,6 +162,8 @@ class RouterMetrics:
 
     def rejected(self, api: str, code: str) -> None:
         self.requests.labels(self.model_name, api, code).inc()
+        if code == "RESOURCE_EXHAUSTED":  # refused for load (the planner sees demand it did not serve)
+            self.traffic.rejected()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -192,8 +197,14 @@ class RequestTrack:
             return
         m.success.labels(name, f.finish_reason).inc()
         m.e2e.labels(name).observe(time.perf_counter() - self.t0)
+        tpot = None
         if f.output_tokens > 1 and self.first is not None:
-            m.tpot.labels(name).observe((self.last - self.first) / (f.output_tokens - 1))
+            tpot = (self.last - self.first) / (f.output_tokens - 1)
+            m.tpot.labels(name).observe(tpot)
+        ttft = None if self.first is None else (self.first - self.t0) * 1e3
+        m.traffic.finished(
+            f.prompt_tokens, f.cached_tokens, f.output_tokens, ttft, None if tpot is None else tpot * 1e3
+        )
         for field, histogram in m.phases.items():
             value = getattr(f.timings, field)
             if value > 0:  # a phase the request went through (colocated requests have no hand-off)
@@ -272,4 +283,46 @@ class ClusterCollector:
             slots = int(node.beat.get("num_slots", 0))
             if slots:
                 slab.add_metric([name, node_id], 1.0 - int(node.beat.get("free_slots", 0)) / slots)
-        return [running, waiting, usage, slab, drafts, accepted, preemptions]
+        return [running, waiting, usage, slab, drafts, accepted, preemptions, *self._planner()]
+
+    def _planner(self) -> list:
+        """The planner's decisions (`kvferry up --autoscale`, deploy.planner), from its registry record."""
+        name = self.model_name
+        decisions = CounterMetricFamily(
+            "kvferry:planner_decisions",
+            "Groups the planner (kvferry up --autoscale) added (`up`) or drained (`down`), per role.",
+            labels=["model_name", "role", "direction"],
+        )
+        failures = CounterMetricFamily(
+            "kvferry:planner_scale_failures",
+            "Scales the planner asked for that failed.",
+            labels=["model_name"],
+        )
+        groups = GaugeMetricFamily(
+            "kvferry:planner_groups", "Groups the planner runs now, per role.", labels=["model_name", "role"]
+        )
+        need = GaugeMetricFamily(
+            "kvferry:planner_need_groups",
+            "Groups each role needs by the planner's last reading (fractional).",
+            labels=["model_name", "role"],
+        )
+        counts: dict[tuple[str, str], int] = {}
+        failed = 0
+        for record in list(self.directory.planners.values()):
+            totals = record.get("decisions")
+            for key, value in totals.items() if isinstance(totals, dict) else ():
+                role, _, direction = str(key).partition(":")
+                if isinstance(value, int):
+                    counts[(role, direction)] = counts.get((role, direction), 0) + value
+            failed += int(record.get("failures") or 0)
+            have, wanted = record.get("groups"), record.get("need")
+            for i, role in enumerate(("prefill", "decode")):
+                if isinstance(have, list) and len(have) == 2:
+                    groups.add_metric([name, role], have[i])
+                if isinstance(wanted, dict) and isinstance(wanted.get(role), int | float):
+                    need.add_metric([name, role], wanted[role])
+        for role in ("prefill", "decode"):
+            for direction in ("up", "down"):
+                decisions.add_metric([name, role, direction], counts.get((role, direction), 0))
+        failures.add_metric([name], failed)
+        return [decisions, failures, groups, need]

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -57,6 +58,7 @@ from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, SloAdmission, chec
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
+    Heartbeat,
     aio_channel,
     hard_exit,
     service_names,
@@ -498,12 +500,27 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
             await asyncio.sleep(cfg.refresh_s)
 
     tracker = asyncio.create_task(track_health())
+    # its traffic over the last window, for the planner (deploy.planner reads it from the registry)
+    traffic = Heartbeat(
+        router.meta,
+        "router",
+        uuid.uuid4().hex[:12],
+        lambda: (
+            router.metrics.traffic.summary()
+            | {"addr": f"{cfg.host}:{port}", "inflight": len(router.inflight)}
+        ),
+        interval_s=1.0,
+        ttl_s=5.0,
+    )
+    traffic.start()
     http = None
     if cfg.http_port is not None:
         http = await start_http(router, cfg.host, cfg.http_port, cfg.ssl_certfile, cfg.ssl_keyfile)
     if on_started is not None:
         on_started()
     await stop.wait()
+    traffic.stopped.set()
+    await asyncio.to_thread(traffic.stop)
     tracker.cancel()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -119,6 +119,7 @@ class EngineWorker:
             # the fitted step-time model and the token budget a step (the router's SLO admission)
             "step_cost": self.engine.kv.step_cost(),
             "token_budget": self.engine.cfg.max_num_batched_tokens,
+            "max_num_seqs": self.engine.cfg.max_num_seqs,  # the seats of a batch (the planner's decode)
             "pace_ms": self.loop.step_interval_s * 1e3,  # a paced decode's step interval (engine.loop)
             "step_interval_ms": round(self.loop.step_interval_ms, 3),  # observed between busy steps
         }

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvferry.deploy.config import (
     RouterSettings,
     WorkerGroupSettings,
 )
+from kvferry.deploy.planner import AutoscaleSettings
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client
 
@@ -263,3 +265,52 @@ def test_cli_scale_without_counts_reports_the_running_cluster(kv):
         timeout=120,
     )
     assert missing.returncode == 2 and "no kvferry cluster with namespace 'nope'" in missing.stderr
+
+
+def test_the_planner_scales_a_ray_cluster_through_the_controller(ray_nodes, tiny_model_dir, tmp_path):
+    """`kvferry up --ray --autoscale`: the controller runs the planner; under load it adds a prefill group
+    (a decision in the controller's events and the router's /metrics), and the cluster serves on."""
+    cfg = ClusterConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        namespace="test-ray-plan",
+        router=RouterSettings(port=0, http_port=0),
+        pool=PoolSettings(memory_gib=0.1, per_ray_node=False, nodes=1),
+        prefill=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "prefill_node": 1}),
+        decode=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "decode_node": 1}),
+        # utilization 0.001: any load needs a second prefill group
+        autoscale=AutoscaleSettings(
+            enabled=True, prefill=(1, 2), decode=(1, 1), interval_s=0.5, cooldown_s=1.0, utilization=0.001
+        ),
+        ray=RaySettings(max_restarts=1, log_dir=str(tmp_path / "logs")),
+    )
+    ctrl, status = ray_launch.up(cfg, say=lambda line: None)
+    try:
+        ids = random_prompt(77, 100)
+        with Client(status["router"]) as client:
+            want = list(client.generate(greedy(ids), timeout=60).token_ids)
+
+            def prefill_groups() -> int:
+                for _ in range(3):
+                    assert list(client.generate(greedy(ids), timeout=60).token_ids) == want
+                return sum(u["role"] == "prefill" for u in ray.get(ctrl.status.remote())["units"])
+
+            wait_for(lambda: prefill_groups() == 2, 180, "the planner to add a prefill group on Ray")
+            events = "\n".join(ray.get(ctrl.status.remote())["events"])
+            assert "planner: on" in events and "planner: prefill 1 -> 2" in events
+
+            def decisions_up() -> float:  # counted once the scale is done and the router read it
+                with urllib.request.urlopen(status["http"] + "/metrics", timeout=10) as reply:
+                    lines = reply.read().decode().splitlines()
+                return sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in lines
+                    if line.startswith("kvferry:planner_decisions_total{")
+                    and 'role="prefill"' in line
+                    and 'direction="up"' in line
+                )
+
+            wait_for(lambda: decisions_up() >= 1, 120, "/metrics to count the planner's scale-up")
+            assert list(client.generate(greedy(ids), timeout=60).token_ids) == want
+    finally:
+        ray_launch.down(ctrl)
