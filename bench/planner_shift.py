@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result, reported_cpu_flags
-from slo_admission import Outcome, one
+from slo_admission import Outcome, one, summary
 
 from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
 from kvferry.deploy.local import Child, LocalCluster
@@ -140,19 +140,6 @@ def drive(client: Client, label: str, requests, slo: generate_pb2.Slo) -> list[O
     return outcomes
 
 
-def summarize(outs: list[Outcome], seconds: float, args) -> dict:
-    met = [o for o in outs if o.met(args.slo_ttft_ms, args.slo_tpot_ms)]
-    served = [o for o in outs if o.status == "OK"]
-    return {
-        "sent": len(outs),
-        "served": len(served),
-        "refused": sum(o.status == "RESOURCE_EXHAUSTED" for o in outs),
-        "met": len(met),
-        "attainment": round(len(met) / max(1, len(outs)), 3),
-        "goodput": round(len(met) / seconds, 3),
-    }
-
-
 def one_run(
     label: str, split: tuple[int, int], args, model: str, requests, slots: CpuSlots
 ) -> tuple[dict, list]:
@@ -200,9 +187,9 @@ def one_run(
             ]
         groups = cluster.counts()
     result = {
-        "phase1": summarize([o for o in outs if o.priority == 0], args.phase_s, args),
-        "phase2": summarize([o for o in outs if o.priority == 1], args.phase_s, args),
-        "all": summarize(outs, 2 * args.phase_s, args),
+        "phase1": summary([o for o in outs if o.priority == 0], args.phase_s, args),
+        "phase2": summary([o for o in outs if o.priority == 1], args.phase_s, args),
+        "all": summary(outs, 2 * args.phase_s, args),
         "start": list(split),
         "end": list(groups),
     }
