@@ -336,6 +336,8 @@ class Router(
         if handle.prediction is not None and handle.prediction.ttft_ms is not None:
             timings["predicted_ttft_ms"] = handle.prediction.ttft_ms
             self.first_token(handle, ttft * 1e3)
+        if handle.prediction is not None and handle.prediction.tpot_ms is not None:
+            timings["predicted_tpot_ms"] = handle.prediction.tpot_ms
         req.prompt_logprobs = [logprob_from_proto(x) for x in prefill.prompt_logprobs]
         first = logprob_from_proto(prefill.first_logprob) if prefill.HasField("first_logprob") else None
         status = state.add_token(prefill.first_token_id, first)

@@ -39,12 +39,14 @@ def test_a_doomed_request_is_refused_before_any_prefill(cluster, members, tiny_m
     ids = random_prompt(90, 40)
     with Client(cluster.router_addr) as client:
 
-        def predicted() -> float:  # served with a loose target; the prediction it was admitted with
+        def predicted() -> bool:  # served with a loose target; the predictions it was admitted with
             reply = client.generate(with_slo(greedy(ids, 4), ttft_ms=60_000, tpot_ms=60_000), timeout=60)
-            return reply.finished.timings.predicted_ttft_ms
+            timings = reply.finished.timings
+            return timings.predicted_ttft_ms > 0 and timings.predicted_tpot_ms > 0
 
-        # the workers fit their step costs after a few steps and publish them with their heartbeats
-        wait_for(predicted, 60, "a TTFT prediction (fitted step costs in the heartbeats)")
+        # the prefill and decode workers fit their step costs after a few steps each and publish them with
+        # their heartbeats: until both have, one of the predictions below is not made
+        wait_for(predicted, 60, "TTFT and TPOT predictions (fitted step costs in the heartbeats)")
         (want,) = hf_greedy(tiny_model_dir, [ids], 4)
         assert client.generate(with_slo(greedy(ids, 4), ttft_ms=60_000), timeout=60).token_ids == want
 
