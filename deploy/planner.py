@@ -24,7 +24,8 @@ two needs. The planner moves one group per decision (a role up or down by one, o
 `cooldown_s` after every change, so each decision is measured before the next. A role scales down only
 when `down_margin` x its need still fits in one group fewer. Decisions are logged by the launcher and
 published in the registry (role `planner`), so the routers count them in `/metrics`
-(`kvferry:planner_decisions_total{role,direction}`, `kvferry:planner_desired_groups{role}`).
+(`kvferry:planner_decisions_total{role,direction}`, `kvferry:planner_groups{role}`,
+`kvferry:planner_need_groups{role}`).
 
 `kvferry plan --trace FILE` runs the same `needs` over a recorded trace, a window at a time.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -220,14 +222,13 @@ def needs(
                 why.append(f"{role} model x{factor:.2f} (learned from misses)")
     p_need, d_need = need
     short_p = short_d = False
-    slow_ttft = traffic.ttft_p90_ms is not None and traffic.ttft_p90_ms > targets.ttft_ms
-    if measured[0] and slow_ttft and prefill.waiting > 0:
+    if measured[0] and _over(traffic.ttft_p90_ms, targets.ttft_ms) and prefill.waiting > 0:
         why.append(f"TTFT p90 {traffic.ttft_p90_ms:.0f} ms > {targets.ttft_ms:.0f} ms with prefill queued")
         short_p = True
     if measured[0] and _missing(traffic.miss_ttft_rps, traffic.arrival_rps):
         why.append(f"{traffic.miss_ttft_rps:.2f} req/s predicted to miss TTFT")
         short_p = True
-    if measured[1] and traffic.tpot_p90_ms is not None and traffic.tpot_p90_ms > targets.tpot_ms:
+    if measured[1] and _over(traffic.tpot_p90_ms, targets.tpot_ms):
         why.append(f"TPOT p90 {traffic.tpot_p90_ms:.0f} ms > {targets.tpot_ms:.0f} ms")
         short_d = True
     if measured[1] and _missing(traffic.miss_tpot_rps, traffic.arrival_rps):
@@ -668,7 +669,7 @@ def calibrate(model: str, dtype: str = "auto", say=print) -> StepCost:
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=2304, max_num_batched_tokens=512))
     vocab = engine.model.cfg.vocab_size
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
 
     def prompt(n: int) -> dict:
         return {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)]}

@@ -667,9 +667,7 @@ def _plan_parser(sub) -> None:
     costs.add_argument("--token-budget", type=int, default=512, help="prefill tokens a step (chunking)")
     costs.add_argument("--decode-pace-ms", type=float, default=0.0, help="decode step interval floor")
     costs.add_argument("--max-num-seqs", type=int, default=256, help="decode batch seats")
-    costs.add_argument("--namespace", default="default", help="the running cluster's namespace")
-    costs.add_argument("--redis-url", default=None, help="a running cluster's Redis: its workers' fits")
-    costs.add_argument("--redis-url-file", type=Path, default=None, help="... read from this file")
+    _local_cluster_args(costs)  # a running cluster: its workers' fits
     plan.set_defaults(func=_cmd_plan)
 
 
@@ -691,9 +689,7 @@ def _cmd_plan(args) -> int:
     if not 0 < targets.utilization <= 1 or targets.ttft_ms <= 0 or targets.tpot_ms <= 0 or args.window_s <= 0:
         print("kvferry: error: targets and --window-s must be > 0, --utilization in (0, 1]", file=sys.stderr)
         return 2
-    redis_url = args.redis_url
-    if args.redis_url_file is not None:
-        redis_url = args.redis_url_file.read_text().strip()
+    redis_url = _redis_url(args)
     source = ""
     if redis_url:  # a running cluster: its workers' own fits
         from kvferry.kvpool.metadata import MetadataStore, mask_url
@@ -761,6 +757,10 @@ def _control_args(p) -> None:
     p.add_argument(
         "--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, or the one running here)"
     )
+    _local_cluster_args(p)
+
+
+def _local_cluster_args(p) -> None:
     p.add_argument("--namespace", default="default", help="the cluster's namespace")
     p.add_argument("--redis-url", default=None, help="a local cluster (kvferry up): its Redis URL")
     p.add_argument(
@@ -769,6 +769,13 @@ def _control_args(p) -> None:
         default=None,
         help="a local cluster: the file with its Redis URL (<log dir>/redis-url: no password in ps)",
     )
+
+
+def _redis_url(args) -> str | None:
+    """--redis-url, or the URL read from --redis-url-file."""
+    if args.redis_url_file is not None:
+        return args.redis_url_file.read_text().strip()
+    return args.redis_url
 
 
 def _ray_controller(args):
@@ -804,9 +811,7 @@ def _cmd_scale(args) -> int:
         return 0
     from kvferry.deploy.local_control import request_scale
 
-    redis_url = args.redis_url
-    if args.redis_url_file is not None:
-        redis_url = args.redis_url_file.read_text().strip()
+    redis_url = _redis_url(args)
     if not redis_url:
         print(
             "kvferry: error: give --ray, or --redis-url / --redis-url-file of a local cluster",

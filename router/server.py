@@ -521,7 +521,6 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
     if on_started is not None:
         on_started()
     await stop.wait()
-    traffic.stopped.set()
     await asyncio.to_thread(traffic.stop)
     tracker.cancel()
     for name in ("", *names):

@@ -6,7 +6,6 @@ greedy tokens (nothing lost or wrong while groups come and go)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from cluster_helpers import metric, wait_for
@@ -46,7 +45,7 @@ def test_the_planner_scales_prefill_up_under_load_and_back_down(redis_server, ti
                 except Exception as err:  # every failure is reported by the assert below
                     errors.append(repr(err))
                 i += 1
-                time.sleep(0.1)
+                stop.wait(0.1)  # pacing the load (and ending it at once)
 
     with LocalCluster(cfg, log_dir=tmp_path / "logs", quiet=True) as cluster:
         assert cluster.counts() == (1, 1)
