@@ -33,9 +33,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_result
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.router.client import Client, build_request
+from kvferry.router.config import RouterConfig
 
 
 def grpc_stream(client: Client, ids: list[int], tokens: int) -> tuple[float, list[float]]:
@@ -89,7 +90,7 @@ def main() -> None:
     engine = {"max_model_len": 1024, "num_kv_blocks": 512}
     cfg = ClusterConfig(
         model=args.model,
-        router=RouterSettings(port=0, http_port=0),
+        router=RouterConfig(port=0, http_port=0),
         prefill=WorkerGroupSettings(engine=engine),
         decode=WorkerGroupSettings(engine=engine),
     )

@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
 from kvferry import rpc
-from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings
+from kvferry.deploy.config import ClusterConfig
 from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2, pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 GREEDY_ONE = generate_pb2.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -54,8 +56,8 @@ def run_mode(args, model: str, shm: bool, stream: bool, log_dir: Path, bar: tqdm
     cfg = ClusterConfig(
         model=model,
         namespace=f"kv-streaming-{name}",
-        router=RouterSettings(port=0, http_port=None),
-        pool=PoolSettings(memory_gib=1.0, stream_layers="on" if stream else "off", shm=shm),
+        router=RouterConfig(port=0, http_port=None),
+        pool=PoolConfig(memory_gib=1.0, stream_layers="on" if stream else "off", shm=shm),
     )
     cluster = LocalCluster(cfg, log_dir=log_dir / name, quiet=True)
     cluster.start()

@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result, reported_cpu_flags
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings
+from kvferry.deploy.config import ClusterConfig
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
+from kvferry.router.config import RouterConfig
 from kvferry.rpc import channel
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -66,7 +67,7 @@ def main() -> int:
         cfg = ClusterConfig(
             model=str(bench_model_dir(args.model)),
             namespace="n-sequences",
-            router=RouterSettings(port=0, http_port=None),
+            router=RouterConfig(port=0, http_port=None),
         )
         with (
             LocalCluster(cfg, log_dir=Path(logs), quiet=True) as cluster,

@@ -45,11 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result, reported_cpu_flags
 from slo_admission import Outcome, one, summary
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import Child, LocalCluster
 from kvferry.deploy.planner import AutoscaleSettings
 from kvferry.loadtest.arrivals import arrival_offsets
 from kvferry.router.client import Client, build_request
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
@@ -148,9 +149,7 @@ def one_run(
         model=model,
         namespace=f"shift-{label}",
         placement="even",  # one thread a worker: its slot is under one core
-        router=RouterSettings(
-            port=0, http_port=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms
-        ),
+        router=RouterConfig(port=0, http_port=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms),
         prefill=WorkerGroupSettings(replicas=split[0], engine=engine),
         decode=WorkerGroupSettings(replicas=split[1], engine=engine),
         startup_timeout_s=600,

@@ -48,13 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result
 
 from kvferry import rpc
-from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, cluster_layout
+from kvferry.deploy.config import ClusterConfig, cluster_layout
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.client import PoolClient
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.metadata import DISK_SLOT, MetadataStore
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.router.client import Client, build_request
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2, pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 16  # the cluster's default block size
@@ -150,14 +152,14 @@ def start_cluster(args, model: str, log_dir: Path, disk_dir: Path) -> tuple[Loca
     prompt_blocks = -(-args.prompt_len // BLOCK_SIZE)
     # the fewest blocks the engine accepts (max_model_len tokens), and at least two prompts
     local_blocks = max(-(-model_cfg.max_position_embeddings // BLOCK_SIZE), 2 * prompt_blocks)
-    router = RouterSettings(port=0, http_port=None)
+    router = RouterConfig(port=0, http_port=None)
     cfg = ClusterConfig(model=model, namespace="prefix-reuse", router=router)
     group = cfg.groups("prefill")[0]
     engine = {**group.engine, "num_kv_blocks": local_blocks}
     cfg = replace(cfg, prefill=replace(group, replicas=args.prefill_replicas, engine=engine))
     layout = cluster_layout(cfg, model_cfg)
     slab_gib = SLAB_PROMPTS * prompt_blocks * layout.block_bytes / 2**30
-    cfg = replace(cfg, pool=PoolSettings(memory_gib=slab_gib, disk_dir=str(disk_dir), disk_max_gib=DISK_GIB))
+    cfg = replace(cfg, pool=PoolConfig(memory_gib=slab_gib, disk_dir=str(disk_dir), disk_max_gib=DISK_GIB))
     cluster = LocalCluster(cfg, log_dir=log_dir, quiet=True)
     cluster.start()
     return cluster, layout, local_blocks // prompt_blocks + 1

@@ -41,12 +41,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import baseline_python, bench_model_dir, print_result, remove_worktree
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster, router_argv
 from kvferry.deploy.readiness import wait_until_ready
 from kvferry.kernels.cpu import cpu_flags
 from kvferry.proc import free_port
 from kvferry.router.client import build_request
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2_grpc
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -175,7 +176,7 @@ def main() -> None:
     cfg = ClusterConfig(
         model=str(bench_model_dir(args.model)),
         namespace="router-cpu",
-        router=RouterSettings(port=0, http_port=0, max_inflight=4096),
+        router=RouterConfig(port=0, http_port=0, max_inflight=4096),
         decode=WorkerGroupSettings(engine={"stream_interval": args.stream_interval}),
     )
     cluster = LocalCluster(cfg, log_dir=work / "logs", quiet=True)

@@ -47,10 +47,11 @@ from common import (
     stop_up,
 )
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings
+from kvferry.deploy.config import ClusterConfig
 from kvferry.deploy.local import LocalCluster
 from kvferry.kernels.cpu import ISA_ENV
 from kvferry.loadtest.sweep import add_sweep_args, run_sweep
+from kvferry.router.config import RouterConfig
 
 
 def served_model(url: str) -> str:
@@ -93,7 +94,7 @@ def start(
     model: str, colocated: bool, log_dir: Path, prefill_replicas: int = 1, engine: dict | None = None
 ) -> LocalCluster:
     """`engine`: engine flags for every group (`kvferry up --quantization` / `--kv-cache-dtype`)."""
-    router = RouterSettings(port=0, http_port=0)
+    router = RouterConfig(port=0, http_port=0)
     namespace = "colocated" if colocated else "disagg"
     cfg = ClusterConfig(model=model, namespace=namespace, router=router, colocated=colocated)
     cfg = cfg.with_overrides(**(engine or {}))

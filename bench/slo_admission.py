@@ -41,10 +41,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model_dir, print_result, reported_cpu_flags
 
-from kvferry.deploy.config import ClusterConfig, RouterSettings
+from kvferry.deploy.config import ClusterConfig
 from kvferry.deploy.local import LocalCluster
 from kvferry.loadtest.arrivals import arrival_offsets
 from kvferry.router.client import Client, build_request
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2
 
 
@@ -197,7 +198,7 @@ def main() -> None:
     factors = [float(f) for f in args.factors.split(",")]
     args.input_lens = [int(n) for n in args.input_len.split(",")]
     model = str(bench_model_dir(args.model))
-    cfg = ClusterConfig(model=model, namespace="slo-bench", router=RouterSettings(port=0, http_port=0))
+    cfg = ClusterConfig(model=model, namespace="slo-bench", router=RouterConfig(port=0, http_port=0))
     slo = generate_pb2.Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}

@@ -1,34 +1,31 @@
 """Cluster configuration: one frozen dataclass per component, loadable from YAML.
 
+Each component's config dataclass is the one declaration of its settings; the cluster file's sections
+take its fields as keys, `kvferry up` takes them as flags (`add_up_args`: `kvferry up --help` lists every
+one with its help and default) and the launchers spell them into each process's command line
+(`kvferry.flags`):
+
+- top level: `ClusterConfig`'s own fields (model, dtype, namespace, redis_url, cluster_host, ...);
+- `router:` `kvferry.router.config.RouterConfig` (`kvferry up --<field>`: vLLM's names);
+- `pool:` `kvferry.kvpool.config.PoolConfig` (`--pool-<field>`);
+- `prefill:` / `decode:` a group: `replicas`, `resources` (the Ray bundle of one rank, e.g. `{CPU: 8, GPU:
+  1}` or a custom resource that pins the group to certain nodes; default: 1 CPU, and 1 GPU when the Ray
+  cluster has GPUs) and every `kvferry.engine.engine.EngineConfig` field (`kvferry up --<field>` for
+  every group its role takes, `--prefill-<field>` / `--decode-<field>` for one role's); or a list of
+  such mappings: groups of different degrees side by side;
+- `ray:` `RaySettings`, `restarts:` `RestartSettings` (`--restarts-<field>`), `autoscale:`
+  `kvferry.deploy.planner.AutoscaleSettings` (`--autoscale`, `--autoscale-<field>`).
+
 ```yaml
-model: tiny            # checkpoint directory or built-in name
-dtype: auto
-namespace: default     # Redis key prefix (several clusters can share one Redis)
-redis_url: null        # null: `kvferry up` starts its own redis-server (with a random password)
-cluster_host: 127.0.0.1  # what workers, pool nodes, redis and the TCPStores bind: never exposed
-cluster_secret: null   # the internal plane's secret (null: `kvferry up` generates one; kvferry.auth)
-internal_tls: auto     # mutual TLS between the cluster's processes: auto | on | off (internal_tls_on)
-router: {host: 127.0.0.1, port: 50051, max_inflight: 256, http_port: 8000, served_model_name: null,
-         api_keys: [], ssl_certfile: null, ssl_keyfile: null,   # only the router faces clients
-         routing: kv-aware,   # the prefill worker holding the longest prefix, weighed against load
-         slo_ttft_ms: null, slo_tpot_ms: null,   # targets of requests that set none (router.slo)
-         admission: predictive, on_predicted_miss: reject}   # refuse a request predicted to miss
-pool: {nodes: 1, memory_gib: 1.0, per_ray_node: true, private_ttl_s: 20}
-prefill: {replicas: 1, tensor_parallel_size: 1, max_num_batched_tokens: 512, kv_cache_memory_gib: 0.5}
-decode: {replicas: 1, expert_parallel_size: 1, max_num_seqs: 256, kv_cache_memory_gib: 1.0}
-drain_timeout_s: 60    # a stopping worker (scale-down, shutdown) finishes its requests for this long
-ray: {address: null, max_restarts: 10, log_dir: null}   # `kvferry up --ray`
-restarts: {max: 5, window_s: 600, backoff_s: 1, max_backoff_s: 30}   # `kvferry up`: a dead unit's restarts
-autoscale: {enabled: false, prefill: [1, 4], decode: [1, 4], max_groups: null,   # the planner
-            interval_s: 2, cooldown_s: 30, ttft_ms: null, tpot_ms: null, utilization: 0.8,
-            down_margin: 1.25}   # (deploy.planner; null targets: router.slo_*_ms, else 1000 / 100)
+model: tiny
+router: {port: 50051, routing: kv-aware, slo_ttft_ms: 1000}
+pool: {nodes: 2, replicas: 2}
+prefill: {replicas: 2, tensor_parallel_size: 1}
+decode: [{replicas: 1}, {replicas: 1, expert_parallel_size: 2, resources: {GPU: 1}}]
+autoscale: {enabled: true, prefill: [1, 4], decode: [1, 4]}
 ```
 A replica of a group is `tensor_parallel_size` (prefill) or `expert_parallel_size` (decode) processes.
-`prefill` and `decode` also take a list of such mappings: groups of different degrees side by side.
-`prefill` and `decode` take every engine flag of `kvferry generate` (snake_case), plus `resources`:
-the Ray bundle of one rank, e.g. `{CPU: 8, GPU: 1}` or a custom resource that pins the group to
-certain nodes (default: 1 CPU, and 1 GPU when the Ray cluster has GPUs). On Ray, `pool.per_ray_node`
-puts one pool node on every Ray node (else `pool.nodes` of them, spread).
+On Ray, `pool.per_ray_node` puts one pool node on every Ray node (else `pool.nodes` of them, spread).
 Every worker group must write KV blocks of the pool's one layout (the same block_size and KV dtype):
 `cluster_layout` refuses, before anything starts, groups that would not.
 `restarts` bound how often `kvferry up` restarts a dead unit (deploy.restarts): at most `max` in
@@ -37,7 +34,10 @@ Every worker group must write KV blocks of the pool's one layout (the same block
 
 from __future__ import annotations
 
+import argparse
+import functools
 import ipaddress
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -46,138 +46,74 @@ import yaml
 
 from kvferry.deploy.planner import AutoscaleSettings
 from kvferry.engine.engine import EngineConfig
-from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
+from kvferry.flags import (
+    CLUSTER,
+    SETTINGS,
+    ConfigError,
+    add_config_args,
+    convert,
+    meta,
+    parsed_value,
+    section,
+    section_dict,
+    settings_of,
+)
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig, kv_cache_dtype, resolve_dtype
+from kvferry.router.config import RouterConfig
 
-
-class ClusterConfigError(ValueError):
-    """A cluster setting that is missing, unknown or out of range (the message names it)."""
-
-
-_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)} - {"model", "dtype"}
+ClusterConfigError = ConfigError  # a cluster setting that is missing, unknown or out of range
 
 
 # A prefill worker runs one prompt's worth of tokens per step (chunking longer ones): on a compute-bound
 # device a bigger step only makes every prompt in it wait for the slowest (measured on the 2-core CPU:
 # 512 held 100% SLO attainment at 4 req/s, 2048 99% there and 83% at 3 req/s). GPUs set more.
 ROLE_ENGINE_DEFAULTS = {"prefill": {"max_num_batched_tokens": 512}, "decode": {}}
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_inflight: int = 256
-    http_port: int | None = 8000  # OpenAI-compatible API + /metrics; None = off, 0 = any free
-    # the APIs' model name(s): one, or a list (every one accepted, the first shown; default: `model`)
-    served_model_name: str | list[str] | None = None
-    chat_template: str | None = (
-        None  # the chat API's template: a Jinja file or the text (default: the model's)
-    )
-    generation_config: str = (
-        "auto"  # sampling defaults: auto (the model's generation_config.json) | vllm | DIR
-    )
-    uvicorn_log_level: str = "warning"
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients send one (Bearer); () = open
-    ssl_certfile: str | None = None  # the router serves TLS (gRPC and HTTP) with this cert and key
-    ssl_keyfile: str | None = None
-    routing: str = "kv-aware"  # the prefill worker choice: kv-aware | least-load (router.prefix_routing)
-    slo_ttft_ms: float | None = None  # the latency targets of a request that sets none (None: no target)
-    slo_tpot_ms: float | None = None
-    admission: str = "predictive"  # predictive (refuse a predicted SLO miss) | cap (router.slo)
-    on_predicted_miss: str = "reject"  # reject | deprioritize
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    nodes: int = 1
-    memory_gib: float = 1.0
-    per_ray_node: bool = True  # on Ray: one pool node on every Ray node (else `nodes`, spread)
-    private_ttl_s: float = 20.0  # an unread, unreleased private tail block (its router died) lives this long
-    resources: dict = field(default_factory=dict)  # on Ray: what a pool node's actor reserves
-    # the disk tier: evicted blocks spill to <disk_dir>/<node id> (None = off), up to disk_max_gib per node
-    disk_dir: str | None = None
-    disk_max_gib: float = 0.0
-    replicas: int = 1  # copies of each block a prefill writes, on distinct nodes (as many as are live)
-    # the longest wait on a pool peer within a transfer (a lost host, a partition): past it a get
-    # recomputes what did not arrive and a put counts as not stored
-    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
-    # a prefill puts each layer's finished blocks while the next layers compute: on | off | auto (on when
-    # the prefill computes on a GPU: on CPU the transfer takes cores from the compute)
-    stream_layers: str = "auto"
-    shm: bool = True  # False: workers on a node's host use its pair group too, as remote ones do
-    # a block read over the network this many times within hot_window_s is copied to other nodes until
-    # it has hot_replicas copies (0 = off)
-    hot_reads: int = 8
-    hot_window_s: float = 60.0
-    hot_replicas: int = 2
-
-    def __post_init__(self):
-        if self.stream_layers not in ("on", "off", "auto"):
-            raise ClusterConfigError(
-                f"pool.stream_layers must be on, off or auto, got {self.stream_layers!r}"
-            )
-        if self.replicas < 1 or self.hot_replicas < 1 or self.hot_reads < 0 or self.hot_window_s <= 0:
-            raise ClusterConfigError(
-                "pool.replicas and pool.hot_replicas must be >= 1, pool.hot_reads >= 0 and "
-                f"pool.hot_window_s > 0; got {self.replicas}, {self.hot_replicas}, {self.hot_reads}, "
-                f"{self.hot_window_s}"
-            )
-        if self.transfer_timeout_s <= 0:
-            raise ClusterConfigError(f"pool.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if self.disk_dir is not None and self.disk_max_gib <= 0:
-            raise ClusterConfigError(
-                f"pool.disk_max_gib must be > 0 with pool.disk_dir, got {self.disk_max_gib}"
-            )
-        if self.disk_dir is None and self.disk_max_gib:
-            raise ClusterConfigError("pool.disk_max_gib needs pool.disk_dir")
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
 class RaySettings:
-    address: str | None = None  # None: the cluster RAY_ADDRESS names, or a local one
-    max_restarts: int = 10  # per actor, and per component relaunch
-    log_dir: str | None = None  # on every node (default: <tmp>/kvferry/<namespace>)
+    """`kvferry up --ray` (the cluster file's `ray:` section)."""
+
+    address: str | None = field(
+        default=None, metadata=meta("the Ray cluster (None: the one RAY_ADDRESS names, or a local one)")
+    )
+    max_restarts: int = field(default=10, metadata=meta("per actor, and per component relaunch"))
+    log_dir: str | None = field(
+        default=None, metadata=meta("on every node (default: <tmp>/kvferry/<namespace>)")
+    )
 
 
 @dataclass(frozen=True)
 class RestartSettings:
     """`kvferry up`'s restarts of a dead unit (redis, a pool node, a worker group, the router)."""
 
-    max: int = 5  # restarts of one unit within window_s; one more and it is left down (and reported)
-    window_s: float = 600.0
-    backoff_s: float = 1.0  # the wait before the first restart; doubled before each next one
-    max_backoff_s: float = 30.0
+    max: int = field(
+        default=5,
+        metadata=meta("restarts of one unit within window_s; one more and it is left down (and reported)"),
+    )
+    window_s: float = field(default=600.0, metadata=meta("the window restarts are counted in"))
+    backoff_s: float = field(
+        default=1.0, metadata=meta("the wait before the first restart; doubled before each next one")
+    )
+    max_backoff_s: float = field(default=30.0, metadata=meta("the longest wait before a restart"))
 
 
 @dataclass(frozen=True)
 class WorkerGroupSettings:
-    replicas: int = 1
-    engine: dict = field(default_factory=dict)  # EngineConfig overrides
-    resources: dict = field(default_factory=dict)  # on Ray: one rank's bundle ({} = the default)
+    """One kind of worker group (the cluster file's `prefill:` / `decode:` mapping, or one of a list)."""
+
+    replicas: int = field(default=1, metadata=meta("how many groups of this kind run"))
+    engine: dict = field(default_factory=dict, metadata={CLUSTER: True, "flag": None})  # EngineConfig's
+    resources: dict = field(
+        default_factory=dict, metadata={CLUSTER: True, "flag": None}
+    )  # a rank's Ray bundle
 
 
 PLACEMENTS = ("prefill-first", "even")
-_TOP_OVERRIDES = {
-    "model",
-    "dtype",
-    "redis_url",
-    "colocated",
-    "namespace",
-    "cluster_host",
-    "cluster_secret",
-    "internal_tls",
-}
 INTERNAL_TLS = ("auto", "on", "off")
-# `kvferry up` flags
-ENGINE_OVERRIDES = (
-    "max_num_seqs",
-    "max_model_len",
-    "enable_prefix_caching",
-    "quantization",
-    "kv_cache_dtype",
-)
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
 
 
@@ -202,27 +138,63 @@ class Placement:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str = "tiny"
-    dtype: str = "auto"
-    namespace: str = "default"
-    redis_url: str | None = None
-    # workers, pool nodes, redis and the groups' TCPStores bind this; only the router binds router.host
-    cluster_host: str = "127.0.0.1"
-    cluster_secret: str | None = field(default=None, repr=False)  # None: `kvferry up` makes one
-    internal_tls: str = "auto"  # auto | on | off: mutual TLS between its processes (internal_tls_on)
-    router: RouterSettings = RouterSettings()
-    pool: PoolSettings = PoolSettings()
+    """The whole cluster: its own settings (the cluster file's top level) and each component's section."""
+
+    model: str = field(
+        default="tiny", metadata=meta("checkpoint directory, or tiny | bench | trained | draft")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=meta("the workers' dtype", choices=("auto", "float32", "bfloat16", "float16")),
+    )
+    namespace: str = field(
+        default="default", metadata=meta("cluster name (Redis key prefix, Ray controller name)")
+    )
+    redis_url: str | None = field(
+        default=None,
+        metadata=meta("use this Redis (default: kvferry up starts a redis-server with a password)"),
+    )
+    cluster_host: str = field(
+        default="127.0.0.1",
+        metadata=meta(
+            "the address workers, pool nodes, redis and the groups' TCPStores bind (never a wildcard; only "
+            "the router binds --host)"
+        ),
+    )
+    # the internal plane's secret (kvferry.auth); `kvferry up --cluster-secret-file` reads it from a file
+    cluster_secret: str | None = field(default=None, repr=False, metadata={"flag": None})
+    internal_tls: str = field(
+        default="auto",
+        metadata=meta(
+            "mutual TLS between the cluster's processes: auto is on when --cluster-host is not loopback, and "
+            "always on Ray; off on a loopback cluster (internal_tls_on)",
+            choices=INTERNAL_TLS,
+        ),
+    )
+    router: RouterConfig = field(default_factory=RouterConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
     # one group kind per role, or several (a list in YAML): e.g. TP=2 and TP=1 prefill groups side by side
     prefill: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
     decode: WorkerGroupSettings | tuple[WorkerGroupSettings, ...] = WorkerGroupSettings()
-    startup_timeout_s: float = 180.0
-    drain_timeout_s: float = 60.0
+    startup_timeout_s: float = field(
+        default=180.0, metadata=meta("kvferry up waits this long for every unit to be ready")
+    )
+    drain_timeout_s: float = field(
+        default=60.0,
+        metadata=meta("a stopping worker (scale-down, shutdown) finishes its requests for this long"),
+    )
     ray: RaySettings = RaySettings()
     restarts: RestartSettings = RestartSettings()
-    # the baseline: decode groups run both phases behind the same router; no prefill workers, no pool
-    colocated: bool = False
-    # how `kvferry up` shares one host's cores between worker processes (see host_placement)
-    placement: str = "prefill-first"
+    colocated: bool = field(
+        default=False,
+        metadata=meta(
+            "the baseline: decode workers run prefill too (no prefill workers, no pool), same router"
+        ),
+    )
+    placement: str = field(
+        default="prefill-first",
+        metadata=meta("how kvferry up shares one host's cores between worker processes", choices=PLACEMENTS),
+    )
     # the planner (deploy.planner): prefill / decode groups set from live load (`kvferry up --autoscale`)
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
 
@@ -231,12 +203,6 @@ class ClusterConfig:
             for settings in self.groups(role):
                 if settings.replicas < 1:
                     raise ClusterConfigError(f"{role}.replicas must be >= 1, got {settings.replicas}")
-        if self.pool.nodes < 1:
-            raise ClusterConfigError(f"pool.nodes must be >= 1, got {self.pool.nodes}")
-        if self.pool.memory_gib <= 0:
-            raise ClusterConfigError(f"pool.memory_gib must be > 0, got {self.pool.memory_gib}")
-        if self.pool.private_ttl_s <= 0:
-            raise ClusterConfigError(f"pool.private_ttl_s must be > 0, got {self.pool.private_ttl_s}")
         if self.drain_timeout_s < 0:
             raise ClusterConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.ray.max_restarts < 0:
@@ -249,18 +215,11 @@ class ClusterConfig:
             )
         if bool(self.router.ssl_certfile) != bool(self.router.ssl_keyfile):
             raise ClusterConfigError("router.ssl_certfile and router.ssl_keyfile go together")
-        from kvferry.router.prefix_routing import ROUTING_MODES
+        for name in ("router", "pool", "restarts", "autoscale", "ray"):
+            _check_choices(getattr(self, name), name)
+        _check_choices(self, "")
+        from kvferry.router.slo import check_default_target
 
-        if self.router.routing not in ROUTING_MODES:
-            raise ClusterConfigError(
-                f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {self.router.routing!r}"
-            )
-        from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, check_default_target
-
-        if self.router.admission not in ADMISSION_MODES:
-            raise ClusterConfigError(f"router.admission must be one of {', '.join(ADMISSION_MODES)}")
-        if self.router.on_predicted_miss not in MISS_ACTIONS:
-            raise ClusterConfigError(f"router.on_predicted_miss must be one of {', '.join(MISS_ACTIONS)}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             try:
                 check_default_target(f"router.{name}", getattr(self.router, name))
@@ -280,14 +239,6 @@ class ClusterConfig:
                 f"cluster_host {self.cluster_host!r} would expose workers, pool nodes and redis; "
                 "only the router faces clients (router.host / --host)"
             )
-        if self.internal_tls not in INTERNAL_TLS:
-            raise ClusterConfigError(
-                f"internal_tls must be one of {', '.join(INTERNAL_TLS)}, got {self.internal_tls!r}"
-            )
-        if self.placement not in PLACEMENTS:
-            raise ClusterConfigError(
-                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
-            )
         try:
             self.autoscale.validate()
         except ValueError as err:
@@ -305,7 +256,7 @@ class ClusterConfig:
             raise ClusterConfigError(f"router.http_port must be in [0, 65535] or null (off), got {http!r}")
         for group in ("prefill", "decode"):
             for settings in self.groups(group):
-                unknown = set(settings.engine) - _ENGINE_FIELDS
+                unknown = set(settings.engine) - engine_settings()
                 if unknown:
                     raise ClusterConfigError(f"{group}: unknown engine setting(s) {sorted(unknown)}")
                 EngineConfig(**settings.engine).validate()
@@ -413,67 +364,39 @@ class ClusterConfig:
         return ("decode",) if self.colocated else ("prefill", "decode")
 
     def with_overrides(self, **values) -> ClusterConfig:
-        """Apply CLI flags (None = not given) on top of the file's values."""
-        top = {k: v for k, v in values.items() if v is not None and k in _TOP_OVERRIDES}
-        cfg = replace(self, **top)
-        if values.get("port") is not None:
-            cfg = replace(cfg, router=replace(cfg.router, port=values["port"]))
-        if values.get("host") is not None:
-            cfg = replace(cfg, router=replace(cfg.router, host=values["host"]))
-        if values.get("no_http"):
-            cfg = replace(cfg, router=replace(cfg.router, http_port=None))
-        elif values.get("http_port") is not None:
-            cfg = replace(cfg, router=replace(cfg.router, http_port=values["http_port"]))
-        for key in (
-            "served_model_name",
-            "chat_template",
-            "generation_config",
-            "uvicorn_log_level",
-            "slo_ttft_ms",
-            "slo_tpot_ms",
-            "admission",
-            "on_predicted_miss",
-        ):
-            if values.get(key) is not None:
-                cfg = replace(cfg, router=replace(cfg.router, **{key: values[key]}))
-        engine = {k: values[k] for k in ENGINE_OVERRIDES if values.get(k) is not None}
-        if engine:  # vLLM's engine flags: every group's engine
-            for group in ("prefill", "decode"):
-                cfg = cfg._each(group, lambda s, e=engine: replace(s, engine={**s.engine, **e}))
-        if values.get("speculative_config") is not None:  # tokens are decoded on the decode groups only
-            spec = {"speculative_config": values["speculative_config"]}
-            cfg = cfg._each("decode", lambda s, e=spec: replace(s, engine={**s.engine, **e}))
-        if values.get("api_keys"):
-            cfg = replace(cfg, router=replace(cfg.router, api_keys=tuple(values["api_keys"])))
-        for key in ("ssl_certfile", "ssl_keyfile"):
-            if values.get(key) is not None:
-                cfg = replace(cfg, router=replace(cfg.router, **{key: str(values[key])}))
-        for group, key in (
-            ("prefill", "prefill_tensor_parallel_size"),
-            ("decode", "decode_expert_parallel_size"),
-        ):
-            if values.get(key) is not None:
-                degree = {key.split("_", 1)[1]: values[key]}
-                cfg = cfg._each(group, lambda s, d=degree: replace(s, engine={**s.engine, **d}))
-        for group in ("prefill", "decode"):
-            if values.get(f"{group}_replicas") is not None:
-                count = values[f"{group}_replicas"]
-                cfg = cfg._each(group, lambda s, n=count: replace(s, replicas=n))
-        auto = {}
-        if values.get("autoscale"):
-            auto["enabled"] = True
-        for key in ("prefill", "decode"):
-            if values.get(f"autoscale_{key}") is not None:
-                try:
-                    auto[key] = _bounds(values[f"autoscale_{key}"], key)
-                except (TypeError, ValueError) as err:
-                    raise ClusterConfigError(f"--autoscale-{key} must be MIN:MAX ({err})") from None
-        for key in ("max_groups", "cooldown_s"):
-            if values.get(f"autoscale_{key}") is not None:
-                auto[key] = values[f"autoscale_{key}"]
-        if auto:
-            cfg = replace(cfg, autoscale=replace(cfg.autoscale, **auto))
-            cfg.validate()
+        """Apply `kvferry up`'s setting flags (`add_up_args`; keyword = the flag's dest, None = not given)
+        on top of the file's values: each is walked back to its field (a section's, or the engine of
+        every group of the roles it is for; a `--prefill-` / `--decode-` one after those)."""
+        table = up_settings()
+        unknown = set(values) - set(table)
+        if unknown:
+            raise ClusterConfigError(f"unknown kvferry up setting(s) {sorted(unknown)}")
+        top: dict = {}
+        sections: dict[str, dict] = {}
+        engine: dict[str, dict] = {role: {} for role in ROLES}
+        group: dict[str, dict] = {role: {} for role in ROLES}
+        for dest in sorted(values, key=lambda d: table[d].role is not None):  # one role's after every role's
+            value = values[dest]
+            if value is None:
+                continue
+            where = table[dest]
+            f = where.field
+            value = convert(f, parsed_value(f, value), "--" + dest.replace("_", "-"))
+            if where.section == "":
+                top[f.name] = value
+            elif where.section == "engine":
+                for role in (where.role,) if where.role else f.metadata.get("roles", ROLES):
+                    engine[role][f.name] = value
+            elif where.section == "group":
+                group[where.role][f.name] = value
+            else:
+                sections.setdefault(where.section, {})[f.name] = value
+        cfg = replace(self, **top, **{k: replace(getattr(self, k), **v) for k, v in sections.items()})
+        for role in ROLES:
+            if engine[role] or group[role]:
+                cfg = cfg._each(
+                    role, lambda s, e=engine[role], g=group[role]: replace(s, engine={**s.engine, **e}, **g)
+                )
         return cfg
 
     def _each(self, role: str, fn) -> ClusterConfig:
@@ -493,6 +416,14 @@ def load_cluster_config(path: Path | None) -> ClusterConfig:
     return cluster_config_from_dict(raw)
 
 
+SECTIONS = ("router", "pool", "ray", "restarts", "autoscale")
+
+
+def engine_settings() -> set[str]:
+    """The keys of a `prefill:` / `decode:` mapping that are its engine's (EngineConfig's settings)."""
+    return {f.name for f in settings_of(EngineConfig)}
+
+
 def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     raw = dict(raw)
     known = {f.name for f in fields(ClusterConfig)}
@@ -500,57 +431,86 @@ def cluster_config_from_dict(raw: dict) -> ClusterConfig:
     if unknown:
         raise ClusterConfigError(f"unknown cluster setting(s) {sorted(unknown)}; known: {sorted(known)}")
     kwargs = {}
-    sections = (
-        ("router", RouterSettings),
-        ("pool", PoolSettings),
-        ("ray", RaySettings),
-        ("restarts", RestartSettings),
-        ("autoscale", AutoscaleSettings),
-    )
-    for name, cls in sections:
+    hints = typing.get_type_hints(ClusterConfig)
+    for name in SECTIONS:
         if name in raw:
-            kwargs[name] = _section(cls, raw.pop(name) or {}, name)
+            kwargs[name] = section(hints[name], raw.pop(name) or {}, name)
     if isinstance(raw.get("internal_tls"), bool):  # YAML 1.1 reads a bare on / off as a boolean
         raw["internal_tls"] = "on" if raw["internal_tls"] else "off"
-    if "autoscale" in kwargs:  # YAML gives [min, max] lists
-        auto = kwargs["autoscale"]
-        try:
-            kwargs["autoscale"] = replace(
-                auto, prefill=_bounds(auto.prefill, "prefill"), decode=_bounds(auto.decode, "decode")
-            )
-        except (TypeError, ValueError) as err:
-            raise ClusterConfigError(f"autoscale: {err}") from None
-    if "router" in kwargs:  # YAML gives a list (or null)
-        kwargs["router"] = replace(kwargs["router"], api_keys=tuple(kwargs["router"].api_keys or ()))
-    for group in ("prefill", "decode"):
-        if group in raw:
-            section = raw.pop(group) or {}
-            if isinstance(section, list):  # several groups of this role, e.g. of different degrees
-                kwargs[group] = tuple(_group(item or {}, group) for item in section)
+    for role in ROLES:
+        if role in raw:
+            value = raw.pop(role) or {}
+            if isinstance(value, list):  # several groups of this role, e.g. of different degrees
+                kwargs[role] = tuple(_group(item or {}, role) for item in value)
             else:
-                kwargs[group] = _group(section, group)
+                kwargs[role] = _group(value, role)
     cfg = ClusterConfig(**raw, **kwargs)
     cfg.validate()
     return cfg
 
 
-def _bounds(value, role: str) -> tuple[int, int]:
-    """A role's autoscale bounds: [min, max] (a list or "min:max")."""
-    if isinstance(value, str):
-        value = value.split(":")
-    lo, hi = value
-    if isinstance(lo, bool) or isinstance(hi, bool):
-        raise ValueError(f"{role} bounds must be two integers, got {value!r}")
-    return int(lo), int(hi)
-
-
-def _group(section: dict, role: str) -> WorkerGroupSettings:
-    if not isinstance(section, dict):
+def _group(values: dict, role: str) -> WorkerGroupSettings:
+    """A `prefill:` / `decode:` mapping: the group's own settings, the rest its engine's."""
+    if not isinstance(values, dict):
         raise ClusterConfigError(f"{role}: expected a mapping (or a list of mappings)")
-    section = dict(section)
-    replicas = section.pop("replicas", 1)
-    resources = section.pop("resources", None) or {}
-    return WorkerGroupSettings(replicas=replicas, engine=section, resources=resources)
+    own = {f.name for f in fields(WorkerGroupSettings)} - {"engine"}
+    group = section(WorkerGroupSettings, {k: v for k, v in values.items() if k in own}, role)
+    engine = {k: v for k, v in values.items() if k not in own}
+    unknown = set(engine) - engine_settings()
+    if unknown:
+        raise ClusterConfigError(
+            f"{role}: unknown setting(s) {sorted(unknown)}; known: {sorted(own | engine_settings())}"
+        )
+    return replace(group, engine=engine, resources=group.resources or {})
+
+
+@dataclass(frozen=True)
+class UpSetting:
+    """Where a `kvferry up` setting flag goes: a section of ClusterConfig ("" = its own fields), "engine"
+    (every group of the roles the field is for, or of `role` only) or "group" (a role's groups)."""
+
+    section: str
+    field: object
+    role: str | None = None
+
+
+def add_up_args(p: argparse.ArgumentParser) -> dict[str, UpSetting]:
+    """`kvferry up`'s setting flags, derived from the config tree (each defaults to None: the cluster
+    file's value, else the field's default, holds); returns {dest: where it goes} (`with_overrides`)."""
+    table: dict[str, UpSetting] = {}
+
+    def add(title: str, cls, where: str, prefix: str = "", role: str | None = None, **kw) -> None:
+        group = p.add_argument_group(title)
+        added = add_config_args(group, cls, prefix=prefix, scope=SETTINGS, unset=True, **kw)
+        table.update({dest: UpSetting(where, f, role) for dest, f in added.items()})
+
+    add("cluster (the cluster file's top level)", ClusterConfig, "")
+    add("router (the cluster file's router:)", RouterConfig, "router")
+    add(
+        "engine (the cluster file's prefill: and decode: keys): every group of the roles a setting is for",
+        EngineConfig,
+        "engine",
+    )
+    for role in ROLES:
+        add(f"{role} groups only (the cluster file's {role}:)", WorkerGroupSettings, "group", role, role)
+        add(
+            f"... and the engine flags above, for {role} groups only",
+            EngineConfig,
+            "engine",
+            role,
+            role,
+            roles=role,
+            brief=True,
+        )
+    add("pool (the cluster file's pool:)", PoolConfig, "pool", "pool")
+    add("restarts of a dead unit (the cluster file's restarts:)", RestartSettings, "restarts", "restarts")
+    add("the planner (the cluster file's autoscale:)", AutoscaleSettings, "autoscale", "autoscale")
+    return table
+
+
+@functools.cache
+def up_settings() -> dict[str, UpSetting]:
+    return add_up_args(argparse.ArgumentParser(add_help=False))
 
 
 def is_loopback(host: str) -> bool:
@@ -578,12 +538,9 @@ def cluster_config_to_dict(cfg: ClusterConfig) -> dict:
         return {"replicas": s.replicas, **s.engine, **({"resources": s.resources} if s.resources else {})}
 
     out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    for name in ("router", "pool", "ray", "restarts", "autoscale"):
-        out[name] = {f.name: getattr(out[name], f.name) for f in fields(out[name])}
-    for role in ("prefill", "decode"):
-        out["autoscale"][role] = list(getattr(cfg.autoscale, role))
-    out["router"]["api_keys"] = list(cfg.router.api_keys)
-    for role in ("prefill", "decode"):
+    for name in SECTIONS:
+        out[name] = section_dict(out[name])
+    for role in ROLES:
         value = getattr(cfg, role)
         out[role] = [group(s) for s in value] if isinstance(value, tuple) else group(value)
     return out
@@ -621,9 +578,11 @@ def cluster_layout(
     return first[1]
 
 
-def _section(cls, values: dict, name: str):
-    known = {f.name for f in fields(cls)}
-    unknown = set(values) - known
-    if unknown:
-        raise ClusterConfigError(f"{name}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**values)
+def _check_choices(config, name: str) -> None:
+    """Every field of `config` with `choices` in its metadata holds one of them."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices is not None and value is not None and value not in choices:
+            where = f"{name}.{f.name}" if name else f.name
+            raise ClusterConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,9 +33,11 @@ import torch
 
 import kvferry.rpc as rpc
 from kvferry.auth import SECRET_ENV
-from kvferry.deploy.config import ClusterConfig, PoolSettings, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 256, "max_num_batched_tokens": 512}
@@ -103,15 +105,13 @@ class FaultCluster:
     ):
         self.workdir = workdir
         self.secret = secret
-        router = RouterSettings(port=0, http_port=None, max_inflight=max_inflight)
-        self.api_keys = api_keys if api_keys and "api_keys" in _fields(RouterSettings) else ()
-        if self.api_keys:
-            router = replace(router, api_keys=self.api_keys)
+        self.api_keys = tuple(api_keys)
+        router = RouterConfig(port=0, http_port=None, max_inflight=max_inflight, api_keys=self.api_keys)
         self.cfg = ClusterConfig(
             model=str(model_dir),
             dtype="float32",
             namespace="faults",
-            pool=PoolSettings(nodes=1, memory_gib=0.25),
+            pool=PoolConfig(nodes=1, memory_gib=0.25),
             prefill=WorkerGroupSettings(replicas=prefill, engine=ENGINE),
             decode=WorkerGroupSettings(replicas=decode, engine=ENGINE),
             router=router,
@@ -261,10 +261,6 @@ class FaultCluster:
 
 
 STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
-
-
-def _fields(cls) -> set[str]:
-    return {f.name for f in fields(cls)}
 
 
 def _kind(name: str) -> str:

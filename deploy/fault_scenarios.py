@@ -9,7 +9,6 @@ nothing is held anywhere (`FaultCluster.leaks`) and that the cluster serves corr
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 import time
@@ -35,9 +34,6 @@ FAULT_REQUESTS = 32
 FAULT_TOKENS = 48
 CONCURRENCY = 8
 MAX_INFLIGHT = 12  # the router's --max-inflight in these clusters (above CONCURRENCY)
-# the router re-dispatches a request whose prefill or decode worker died (router.failover): then every
-# request of a worker-kill scenario must complete correctly, not just most
-FAILOVER = importlib.util.find_spec("kvferry.router.failover") is not None
 
 
 @dataclass
@@ -104,20 +100,18 @@ def clean_codes(result: ScenarioResult, allowed: tuple[str, ...]) -> None:
 
 
 # -- process faults ------------------------------------------------------------------------------------
+# the router re-dispatches a request whose prefill or decode worker died (router.failover): every request
+# of a worker-kill scenario completes correctly
 def kill_prefill(ctx: Context) -> ScenarioResult:
-    expectation = "all correct (failover)" if FAILOVER else "most correct, the rest fail cleanly"
-    r = mid_load(ctx, "kill -9 prefill-0", expectation, lambda: ctx.cluster.kill("prefill-0"))
-    least = r.sent if FAILOVER else r.sent // 2
-    r.expect(r.ok >= least, f"{r.ok} of {r.sent} correct, want {least}")
+    r = mid_load(ctx, "kill -9 prefill-0", "all correct (failover)", lambda: ctx.cluster.kill("prefill-0"))
+    r.expect(r.ok == r.sent, f"{r.ok} of {r.sent} correct, want all (the router re-dispatches)")
     clean_codes(r, ("UNAVAILABLE", "abort"))
     return r
 
 
 def kill_decode(ctx: Context) -> ScenarioResult:
-    expectation = "all correct (failover)" if FAILOVER else "clean failures (all correct once failover lands)"
-    r = mid_load(ctx, "kill -9 decode-0", expectation, lambda: ctx.cluster.kill("decode-0"))
-    if FAILOVER:
-        r.expect(r.ok == r.sent, f"{r.ok} of {r.sent} correct, want all (the router re-dispatches)")
+    r = mid_load(ctx, "kill -9 decode-0", "all correct (failover)", lambda: ctx.cluster.kill("decode-0"))
+    r.expect(r.ok == r.sent, f"{r.ok} of {r.sent} correct, want all (the router re-dispatches)")
     clean_codes(r, ("UNAVAILABLE", "abort"))
     return r
 
@@ -412,7 +406,7 @@ def unauthenticated(ctx: Context) -> ScenarioResult:
         r.expect(code == "OK", f"the router refused its API key: {code}")
         r.notes.append(f"router with API keys: no key / wrong key refused; the right key served ({code})")
     else:
-        r.notes.append("SKIPPED the API-key half: this launcher's RouterSettings has no api_keys")
+        r.notes.append("SKIPPED the API-key half: the cluster was started without API keys")
     redis_note = _redis_refuses(fc)
     if redis_note:
         r.notes.append(redis_note)

@@ -54,7 +54,8 @@ from kvferry.deploy.redis_server import (
     write_redis_config,
 )
 from kvferry.deploy.restarts import RestartBudget
-from kvferry.engine.args import engine_flags
+from kvferry.flags import SETTINGS, config_flags
+from kvferry.kvpool.config import WORKER_SETTINGS
 from kvferry.kvpool.metadata import REDIS_URL_ENV, mask_url
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
@@ -62,6 +63,7 @@ from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
 from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
 from kvferry.settings import API_KEY_ENV, load_settings
+from kvferry.worker.config import WorkerConfig
 
 # in the log dir, 0600, removed at stop; TLS_FILES: this process's leaf, for an operator's tools
 TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
@@ -435,25 +437,13 @@ def expected_members(cfg: ClusterConfig, pool_nodes: int | None = None) -> tuple
 
 
 def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) -> list[str]:
-    """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers').
-    Like every member's, it gets the Redis URL from its environment (redis_env), not its arguments."""
-    slots = max(16, int(cfg.pool.memory_gib * 2**30 // layout.block_bytes))
-    disk = []
-    if cfg.pool.disk_dir is not None:  # a directory per node: a node's tier locks its own
-        disk = ["--disk-dir", f"{cfg.pool.disk_dir}/{node_id}", "--disk-max-gib", str(cfg.pool.disk_max_gib)]
-    return [
-        *(sys.executable, "-m", "kvferry.kvpool", "--node-id", node_id),
-        *_common(cfg, host),
-        *("--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(slots)),
-        *("--private-ttl-s", str(cfg.pool.private_ttl_s)),
-        *([] if cfg.pool.shm else ["--no-shm"]),
-        *("--hot-reads", str(cfg.pool.hot_reads), "--hot-window-s", str(cfg.pool.hot_window_s)),
-        *("--hot-replicas", str(cfg.pool.hot_replicas)),
-        *("--transfer-timeout-s", str(cfg.pool.transfer_timeout_s)),
-        # a client writes into its reservation only in the first half of its life (the node checks)
-        *("--reserve-ttl-s", str(max(30.0, 3 * cfg.pool.transfer_timeout_s))),
-        *disk,
-    ]
+    """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers'): the
+    cluster's pool settings with this node's own (`kvferry.flags.config_flags`). Like every member's, it
+    gets the Redis URL from its environment (redis_env), not its arguments."""
+    disk = None if cfg.pool.disk_dir is None else f"{cfg.pool.disk_dir}/{node_id}"  # each node locks its own
+    node = replace(cfg.pool, node_id=node_id, host=host, namespace=cfg.namespace, disk_dir=disk)
+    layout_flag = ("--layout", ",".join(map(str, layout.to_list())))
+    return [sys.executable, "-m", "kvferry.kvpool", *config_flags(node), *layout_flag]
 
 
 def worker_argv(
@@ -470,42 +460,30 @@ def worker_argv(
     settings the launcher picks (the placement's pacing) for those the cluster file leaves unset."""
     engine = replace(cfg.engine_config(role, kind), model=model)
     engine = replace(engine, **{k: v for k, v in (defaults or {}).items() if getattr(engine, k) is None})
+    own = WorkerConfig(
+        worker_id=name, host=host, namespace=cfg.namespace, drain_timeout_s=cfg.drain_timeout_s
+    )
     return [
-        *(sys.executable, "-m", f"kvferry.{role}_worker", "--worker-id", name),
-        *_common(cfg, host),
-        *("--drain-timeout-s", str(cfg.drain_timeout_s), "--pool-replicas", str(cfg.pool.replicas)),
-        *(("--kv-streaming", cfg.pool.stream_layers) if role == "prefill" else ()),
-        *("--kv-transfer-timeout-s", str(cfg.pool.transfer_timeout_s)),
-        *engine_flags(engine),
+        *(sys.executable, "-m", f"kvferry.{role}_worker", *config_flags(own)),
+        *config_flags(cfg.pool, only=WORKER_SETTINGS, prefix="pool", scope=SETTINGS),
+        *config_flags(engine),
     ]
 
 
 def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, http_port: int | None) -> list[str]:
     """`host`: what the router binds (router.host: the one address clients reach); `http_port`: the
     OpenAI API's (None = off). The API keys go in the environment (KVFERRY_API_KEY), never here."""
-    router = cfg.router
-    served = router.served_model_name or cfg.model
-    names = [
-        x for name in ([served] if isinstance(served, str) else served) for x in ("--served-model-name", name)
-    ]
-    tls = ["--ssl-certfile", router.ssl_certfile, "--ssl-keyfile", router.ssl_keyfile]
-    template = ["--chat-template", router.chat_template] if router.chat_template else []
-    return [
-        *(sys.executable, "-m", "kvferry.router", "--model", model, *names, *template),
-        *("--generation-config", router.generation_config, "--uvicorn-log-level", router.uvicorn_log_level),
-        *_common(cfg, host),
-        *("--port", str(port), "--max-inflight", str(router.max_inflight), "--routing", router.routing),
-        *("--admission", router.admission, "--on-predicted-miss", router.on_predicted_miss),
-        *(["--slo-ttft-ms", str(router.slo_ttft_ms)] if router.slo_ttft_ms is not None else []),
-        *(["--slo-tpot-ms", str(router.slo_tpot_ms)] if router.slo_tpot_ms is not None else []),
-        *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
-        *(["--colocated"] if cfg.colocated else []),
-        *(tls if router.ssl_certfile else []),
-    ]
-
-
-def _common(cfg: ClusterConfig, host: str) -> list[str]:
-    return ["--host", host, "--namespace", cfg.namespace]
+    router = replace(
+        cfg.router,
+        model=model,
+        namespace=cfg.namespace,
+        colocated=cfg.colocated,
+        host=host,
+        port=port,
+        http_port=http_port,
+        served_model_name=cfg.router.served_model_name or (cfg.model,),
+    )
+    return [sys.executable, "-m", "kvferry.router", *config_flags(router)]
 
 
 def redis_env(url: str) -> dict[str, str]:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.engine.cost_model import StepCost
+from kvferry.flags import meta
 
 log = logging.getLogger(__name__)
 
@@ -337,23 +338,70 @@ class Decision:
         }
 
 
+def bounds_of(value) -> tuple[int, int]:
+    """A role's autoscale bounds from a flag's `MIN:MAX` or a cluster file's [min, max]."""
+    if isinstance(value, str):
+        value = value.split(":")
+    try:
+        lo, hi = value
+    except (TypeError, ValueError):
+        raise ValueError(f"bounds must be MIN:MAX (or [min, max]), got {value!r}") from None
+    if isinstance(lo, bool) or isinstance(hi, bool):
+        raise ValueError(f"bounds must be two integers (MIN:MAX), got {value!r}")
+    try:
+        return int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"bounds must be two integers (MIN:MAX), got {value!r}") from None
+
+
+def _bounds(role: str, default: tuple[int, int]):
+    return field(
+        default=default,
+        metadata=meta(
+            f"{role} groups the planner keeps between",
+            parse=bounds_of,
+            spell="{0[0]}:{0[1]}".format,
+            metavar="MIN:MAX",
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class AutoscaleSettings:
-    """`kvferry up --autoscale` (the cluster file's `autoscale:` section)."""
+    """The planner's settings: the cluster file's `autoscale:` section, `kvferry up --autoscale-*`."""
 
-    enabled: bool = False
-    prefill: tuple[int, int] = (1, 4)
-    decode: tuple[int, int] = (1, 4)
-    max_groups: int | None = None
-    interval_s: float = 2.0
-    cooldown_s: float = 30.0
-    ttft_ms: float | None = None  # None: the router's slo_ttft_ms, else DEFAULT_TTFT_MS
-    tpot_ms: float | None = None
-    utilization: float = 0.8
-    down_margin: float = 1.25  # a role goes down only when this x its need fits in one group fewer
-    # a role that missed while its model said it had enough: its model's figure is scaled up to what it
-    # took (at most MAX_SCALE x), the excess halving every scale_half_life_s
-    scale_half_life_s: float = 60.0
+    enabled: bool = field(
+        default=False,
+        metadata=meta(
+            "the planner sets the prefill / decode groups from live load (deploy.planner)", flag="--autoscale"
+        ),
+    )
+    prefill: tuple[int, int] = _bounds("prefill", (1, 4))
+    decode: tuple[int, int] = _bounds("decode", (1, 4))
+    max_groups: int | None = field(
+        default=None, metadata=meta("prefill + decode groups at most (default: the two maxima)")
+    )
+    interval_s: float = field(default=2.0, metadata=meta("how often the planner decides"))
+    cooldown_s: float = field(default=30.0, metadata=meta("the planner's wait after each change"))
+    ttft_ms: float | None = field(
+        default=None,
+        metadata=meta("the TTFT target planned for (default: the router's slo_ttft_ms, else 1000)"),
+    )
+    tpot_ms: float | None = field(
+        default=None,
+        metadata=meta("the TPOT target planned for (default: the router's slo_tpot_ms, else 100)"),
+    )
+    utilization: float = field(default=0.8, metadata=meta("the busy fraction planned for"))
+    down_margin: float = field(
+        default=1.25, metadata=meta("a role goes down only when this x its need fits in one group fewer")
+    )
+    scale_half_life_s: float = field(
+        default=60.0,
+        metadata=meta(
+            "a role that missed while its model said it had enough: its model's figure is scaled up to what "
+            "it took (at most MAX_SCALE x), the excess halving every this many seconds"
+        ),
+    )
 
     def bounds(self) -> Bounds:
         return Bounds(tuple(self.prefill), tuple(self.decode), self.max_groups)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -34,6 +34,7 @@ from kvferry.engine.request import (
 from kvferry.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvferry.engine.spec_decode import NgramProposer, SpeculativeConfig, SpeculativeConfigError
 from kvferry.engine.structured import Grammars
+from kvferry.flags import meta
 from kvferry.kernels.select import KERNEL_CHOICES, KernelsUnavailable, choose
 from kvferry.model.config import (
     ModelConfig,
@@ -44,7 +45,7 @@ from kvferry.model.config import (
 from kvferry.model.create import resolve_model
 from kvferry.model.loader import checkpoint_digest, load_model
 from kvferry.model.parallel import Parallel
-from kvferry.model.quant import QuantizationError, act_qmax, check_quantization
+from kvferry.model.quant import QUANTIZATION_CHOICES, QuantizationError, act_qmax, check_quantization
 from kvferry.model.sampler import Sampled
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.settings import load_settings
@@ -52,38 +53,99 @@ from kvferry.settings import load_settings
 log = logging.getLogger(__name__)
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1  # a prefill group's degree (ranks are separate processes)
-    expert_parallel_size: int = 1  # a decode group's degree
-    kernels: str = "auto"  # auto | torch | triton: `kernels.select` (Triton on CUDA, C++ on CPU, or torch)
-    # a decode worker's engine loop steps at most once per this interval while 4 or more requests run
+    """The engine's settings: `kvferry generate`'s and the workers' flags, a cluster file's `prefill:` /
+    `decode:` keys and `kvferry up`'s engine flags are derived from these fields (`kvferry.flags`);
+    `roles`: the worker roles a setting is for (`kvferry up` applies it to their groups only)."""
+
+    model: str = field(
+        default="tiny",
+        metadata=meta(
+            "checkpoint directory, or a built-in name (tiny, bench, trained, draft)", launcher=True
+        ),
+    )
+    dtype: str = field(
+        default="auto", metadata=meta("the weights' and activations' dtype", choices=DTYPES, launcher=True)
+    )
+    device: str = field(default="auto", metadata=meta("auto, cpu or cuda"))
+    block_size: int = field(default=16, metadata=meta("tokens per KV block (the pool's too)"))
+    max_num_seqs: int = field(default=256, metadata=meta("requests a worker batches at most"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=meta("tokens one step computes at most (longer prompts are chunked)")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=meta("prompt + output tokens at most (default: the model's)")
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata=meta("KV cache blocks (default: --kv-cache-memory-gib's worth)")
+    )
+    kv_cache_memory_gib: float = field(default=1.0, metadata=meta("the KV cache's size"))
+    enable_prefix_caching: bool = field(default=True, metadata=meta("reuse cached prompt prefixes"))
+    seed: int = field(default=0, metadata=meta("seed for requests that give none", flag="engine-seed"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=meta("ranks of a prefill group (tensor parallel; separate processes)", roles=("prefill",)),
+    )
+    expert_parallel_size: int = field(
+        default=1, metadata=meta("ranks of a decode group (expert parallel)", roles=("decode",))
+    )
+    kernels: str = field(
+        default="auto",
+        metadata=meta(
+            "auto: Triton kernels on CUDA, the C++ CPU kernels for float32 on CPU (built on first use); "
+            "torch: plain torch ops; triton: the Triton kernels (on a CPU only under TRITON_INTERPRET=1)",
+            choices=KERNEL_CHOICES,
+        ),
+    )
     # (engine.loop.EngineLoop; None or 0: as fast as it can); `kvferry up` sets it where decode shares cores
-    decode_step_interval_ms: float | None = None
-    # a decode worker streams a request's tokens this many at a time after its first message (the last
-    # message carries whatever is left): fewer messages for the router to relay (vLLM's and SGLang's
-    # --stream-interval), in bursts for the client
-    stream_interval: int = 1
-    # speculative decoding, vLLM's --speculative-config JSON, or its mapping from a cluster file
-    # (engine.spec_decode); None: off
-    speculative_config: str | dict | None = None
-    # weight quantization, vLLM's --quantization: None (the dtype's GEMMs) or "int8" (W8A8, model/quant.py)
-    quantization: str | None = None
-    # the KV cache's dtype, vLLM's --kv-cache-dtype: auto (the model's activations: float32 under the CPU
-    # kernels) or int8 (per-row int8 with its float32 scale in the row, `kernels.int8`; the pool holds such
-    # blocks as they are)
-    kv_cache_dtype: str = "auto"
+    decode_step_interval_ms: float | None = field(
+        default=None,
+        metadata=meta(
+            "decode workers: step at most once per this interval while 4 or more requests run (bigger "
+            "decode batches for the same weight reads; the spare time goes to whatever shares the cores)",
+            roles=("decode",),
+        ),
+    )
+    # vLLM's and SGLang's --stream-interval
+    stream_interval: int = field(
+        default=1,
+        metadata=meta(
+            "decode workers: stream a request's tokens this many per message after its first (fewer "
+            "messages for the router; the client gets them in bursts)",
+            roles=("decode",),
+        ),
+    )
+    # a cluster file may give the mapping (engine.spec_decode); tokens are decoded on the decode groups only
+    speculative_config: str | dict | None = field(
+        default=None,
+        metadata=meta(
+            'speculative decoding, as vLLM spells it: JSON such as \'{"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup)',
+            roles=("decode",),
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=meta(
+            "int8: attention and expert weights int8 per output channel, activations int8 per token "
+            "(W8A8, dynamic; C++ kernels with AVX512-VNNI or AVX2 on CPU, Triton on CUDA; model/quant.py)",
+            choices=QUANTIZATION_CHOICES,
+        ),
+    )
+    # float32 under the CPU kernels; the int8 row's float32 scale is in the row (`kernels.int8`)
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=meta(
+            "int8: K/V rows int8 with a float32 scale each (a quarter of float32's bytes, in the cache, "
+            "the pool and on the wire); auto: the activations' dtype",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
 
     def validate(self) -> None:
         for name in (
@@ -126,9 +188,6 @@ class EngineConfig:
                 "tensor_parallel_size and expert_parallel_size cannot both be > 1 in one group "
                 "(prefill groups are tensor-parallel, decode groups expert-parallel)"
             )
-
-
-KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class EngineConfigError(ValueError):

@@ -1,10 +1,11 @@
 """`kvferry` command line.
 
 kvferry model create NAME        write a built-in model (seeded weights + tokenizer) to the cache
-kvferry generate                 offline generation in this process, or against a router (--router)
+kvferry generate                 offline generation in this process, or against a running cluster (--server)
 kvferry eval                     held-out perplexity through the engine (default model: trained)
 kvferry up                       start a whole cluster: local processes, or on Ray (--ray)
 kvferry scale                    set the number of prefill / decode groups of a running cluster
+kvferry plan                     recommend prefill / decode group counts for a recorded request trace
 kvferry down                     stop a cluster started with --detach on Ray
 kvferry loadtest sweep           open-loop load test over request rates: goodput, plots
 """
@@ -16,16 +17,27 @@ import json
 import sys
 from pathlib import Path
 
-from kvferry.engine.args import add_engine_args, engine_config_from
-from kvferry.engine.engine import EngineConfigError, LLMEngine
+from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.engine.output import Completion
 from kvferry.engine.request import InvalidRequestError, SamplingParams
+from kvferry.flags import add_config_args, config_from
 from kvferry.model.config import ModelConfigError
 from kvferry.model.corpus import SPLITS
 from kvferry.model.create import SPECS
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvferry.deploy.config import ClusterConfigError
+
+    try:
+        return args.func(args)
+    except (InvalidRequestError, ModelConfigError, EngineConfigError, ClusterConfigError) as err:
+        print(f"kvferry: error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvferry", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -38,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     _plan_parser(sub)
     _down_parser(sub)
     _loadtest_parser(sub)
-    args = parser.parse_args(argv)
-    from kvferry.deploy.config import ClusterConfigError
-
-    try:
-        return args.func(args)
-    except (InvalidRequestError, ModelConfigError, EngineConfigError, ClusterConfigError) as err:
-        print(f"kvferry: error: {err}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _loadtest_parser(sub) -> None:
@@ -145,7 +150,7 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--server", metavar="HOST:PORT", help="send to a running cluster's router instead")
     gen.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (--server)")
     _client_auth_args(gen)
-    add_engine_args(gen)
+    add_config_args(gen, EngineConfig)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -154,7 +159,7 @@ def _cmd_generate(args) -> int:
     params = sampling_params_from(args)
     if args.server:
         return _generate_remote(args, params)
-    engine = LLMEngine(engine_config_from(args))
+    engine = LLMEngine(config_from(args, EngineConfig))
     if args.prompts_file:
         requests = _read_prompts(args.prompts_file, args)
         for done in engine.generate(requests, use_tqdm=True):
@@ -194,14 +199,14 @@ def _eval_parser(sub) -> None:
     ev.add_argument("--context", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-eval-tokens", type=int, default=32768, help="held-out tokens to score (at most)")
     ev.add_argument("--split", default="heldout", choices=SPLITS)
-    add_engine_args(ev)
+    add_config_args(ev, EngineConfig)
     ev.set_defaults(func=_cmd_eval, model="trained")
 
 
 def _cmd_eval(args) -> int:
     from kvferry.evaluate import heldout_tokens, perplexity
 
-    engine = LLMEngine(engine_config_from(args))
+    engine = LLMEngine(config_from(args, EngineConfig))
     tokens = heldout_tokens(engine, args.max_eval_tokens, args.split)
     try:
         result = perplexity(engine, tokens, args.context, progress=True)
@@ -328,143 +333,22 @@ def _generate_remote(args, params: SamplingParams) -> int:
 
 
 def _up_parser(sub) -> None:
-    up = sub.add_parser("up", help="start a whole cluster (redis, pool, prefill, decode, router) locally")
-    up.add_argument("--config", type=Path, help="cluster YAML (see docs/architecture.md)")
-    up.add_argument("--model", default=None, help="checkpoint directory, or tiny | bench")
-    up.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    up.add_argument(
-        "--host",
-        default=None,
-        help="address the router binds, gRPC and HTTP (default 127.0.0.1; 0.0.0.0 exposes it, and only it)",
+    from kvferry.deploy.config import add_up_args
+
+    up = sub.add_parser(
+        "up",
+        help="start a whole cluster (redis, pool, prefill, decode, router) locally, or on Ray (--ray)",
+        usage="kvferry up [--config FILE] [SETTING FLAGS] [--ray [--address A] [--detach]] [--prompt TEXT]",
+        description="Every setting flag below overrides the cluster file's value (--config); their names "
+        "are the config fields' (deploy.config): the router's as they are (vLLM's spellings), the others "
+        "under their section's prefix.",
     )
-    up.add_argument(
-        "--cluster-host",
-        default=None,
-        help="address workers, pool nodes and redis bind (default 127.0.0.1; never a wildcard)",
-    )
+    up.add_argument("--config", type=Path, metavar="FILE", help="cluster YAML (see deploy/config.py)")
     up.add_argument(
         "--cluster-secret-file",
         type=Path,
         default=None,
         help="the internal plane's secret (default: the config's cluster_secret, else a new one)",
-    )
-    up.add_argument(
-        "--internal-tls",
-        choices=["auto", "on", "off"],
-        default=None,
-        help="mutual TLS between the cluster's processes (default auto: on when --cluster-host is not "
-        "loopback, and always with --ray; off on a loopback cluster)",
-    )
-    up.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="an API key the router asks clients for (repeatable; default: KVFERRY_API_KEY, comma-separated, "
-        "which keeps the keys out of ps)",
-    )
-    up.add_argument("--ssl-certfile", type=Path, default=None, help="the router serves TLS with this cert")
-    up.add_argument("--ssl-keyfile", type=Path, default=None, help="... and this key")
-    up.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 = any free)")
-    up.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="the router's OpenAI-compatible API and /metrics (default 8000; 0 = any free)",
-    )
-    up.add_argument("--no-http", action="store_true", default=None, help="serve the gRPC API only")
-    up.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="the APIs' model name(s): every one is accepted, the first is shown (default --model)",
-    )
-    up.add_argument(
-        "--chat-template", default=None, help="the chat API's template: a Jinja file, or the template itself"
-    )
-    up.add_argument(
-        "--generation-config",
-        default=None,
-        help="sampling defaults for unset request fields: auto (the model's generation_config.json, the "
-        "default), vllm (none), or a directory holding a generation_config.json",
-    )
-    up.add_argument(
-        "--uvicorn-log-level",
-        default=None,
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="the HTTP server's log level (default warning)",
-    )
-    up.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target of requests that set none")
-    up.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
-    up.add_argument(
-        "--admission",
-        default=None,
-        choices=["predictive", "cap"],
-        help="predictive (default): refuse a request predicted to miss its SLO; cap: --max-inflight alone",
-    )
-    up.add_argument(
-        "--on-predicted-miss",
-        default=None,
-        choices=["reject", "deprioritize"],
-        help="a predicted SLO miss is refused (429 / RESOURCE_EXHAUSTED, the default) or queued last",
-    )
-    up.add_argument(
-        "--autoscale",
-        action="store_true",
-        default=None,
-        help="the planner sets the prefill / decode groups from live load (deploy.planner)",
-    )
-    up.add_argument(
-        "--autoscale-prefill", metavar="MIN:MAX", default=None, help="prefill groups (default 1:4)"
-    )
-    up.add_argument("--autoscale-decode", metavar="MIN:MAX", default=None, help="decode groups (default 1:4)")
-    up.add_argument(
-        "--autoscale-max-groups", type=int, default=None, help="prefill + decode groups at most (the planner)"
-    )
-    up.add_argument(
-        "--autoscale-cooldown-s", type=float, default=None, help="the planner's wait after each change (30)"
-    )
-    up.add_argument("--max-num-seqs", type=int, default=None, help="requests a worker batches at most")
-    up.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)"
-    )
-    up.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the workers' prefix caches (default on)",
-    )
-    up.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8"],
-        help="int8: every worker's attention and expert weights in int8, activations per token (W8A8)",
-    )
-    up.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=["auto", "int8"],
-        help="int8: every worker's KV cache, and so the pool's blocks, in int8 with a scale per row",
-    )
-    up.add_argument(
-        "--speculative-config",
-        default=None,
-        help="speculative decoding on the decode workers (and colocated ones), vLLM's JSON: "
-        '\'{"method": "ngram", "num_speculative_tokens": 3}\'',
-    )
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
-    up.add_argument("--prefill-replicas", type=int, default=None)
-    up.add_argument("--decode-replicas", type=int, default=None)
-    up.add_argument(
-        "--colocated",
-        action="store_true",
-        default=None,
-        help="baseline: decode workers run prefill too (no prefill workers, no pool), same router",
-    )
-    up.add_argument(
-        "--prefill-tensor-parallel-size", type=int, default=None, help="ranks per prefill group (TP)"
-    )
-    up.add_argument(
-        "--decode-expert-parallel-size", type=int, default=None, help="ranks per decode group (EP)"
     )
     up.add_argument("--log-dir", type=Path, default=None, help="component logs (default: a temp dir)")
     up.add_argument(
@@ -478,16 +362,17 @@ def _up_parser(sub) -> None:
         action="store_true",
         help="with --ray: leave the cluster running when this command ends (kvferry down --ray stops it)",
     )
-    up.add_argument("--namespace", default=None, help="cluster name (Redis key prefix, Ray controller name)")
-    up.add_argument(
-        "--prompt", help="one-shot: stream this prompt's completion through the cluster, then stop"
-    )
-    add_sampling_args(up)
+    prompt = up.add_argument_group("one-shot")
+    prompt.add_argument("--prompt", help="stream this prompt's completion through the cluster, then stop")
+    add_sampling_args(prompt)
+    add_up_args(up)
     up.set_defaults(func=_cmd_up)
 
 
 def _cmd_up(args) -> int:
-    from kvferry.deploy.config import ClusterConfigError, load_cluster_config
+    from dataclasses import replace
+
+    from kvferry.deploy.config import ClusterConfigError, load_cluster_config, up_settings
     from kvferry.deploy.local import LaunchError, LocalCluster
     from kvferry.deploy.local_control import run_until_signal
     from kvferry.kvpool.metadata import mask_url
@@ -501,46 +386,11 @@ def _cmd_up(args) -> int:
             raise ClusterConfigError(f"--cluster-secret-file: {err}") from None
         if secret is None:
             raise ClusterConfigError(f"--cluster-secret-file: {args.cluster_secret_file} is empty")
-    cfg = load_cluster_config(args.config).with_overrides(
-        model=args.model,
-        dtype=args.dtype,
-        host=args.host,
-        cluster_host=args.cluster_host,
-        cluster_secret=secret,
-        internal_tls=args.internal_tls,
-        api_keys=args.api_key or load_settings().api_keys,
-        ssl_certfile=args.ssl_certfile,
-        ssl_keyfile=args.ssl_keyfile,
-        port=args.port,
-        http_port=args.http_port,
-        no_http=args.no_http,
-        served_model_name=args.served_model_name,
-        chat_template=args.chat_template,
-        generation_config=args.generation_config,
-        uvicorn_log_level=args.uvicorn_log_level,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        admission=args.admission,
-        on_predicted_miss=args.on_predicted_miss,
-        autoscale=args.autoscale,
-        autoscale_prefill=args.autoscale_prefill,
-        autoscale_decode=args.autoscale_decode,
-        autoscale_max_groups=args.autoscale_max_groups,
-        autoscale_cooldown_s=args.autoscale_cooldown_s,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        redis_url=args.redis_url,
-        prefill_replicas=args.prefill_replicas,
-        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
-        colocated=args.colocated,
-        decode_expert_parallel_size=args.decode_expert_parallel_size,
-        decode_replicas=args.decode_replicas,
-        namespace=args.namespace,
-    )
+    values = {dest: getattr(args, dest) for dest in up_settings()}
+    values["api_key"] = values["api_key"] or load_settings().api_keys or None
+    cfg = load_cluster_config(args.config).with_overrides(**values)
+    if secret is not None:
+        cfg = replace(cfg, cluster_secret=secret)
     if args.ray:
         return _up_ray(args, cfg)
     if args.detach or args.address:
@@ -651,10 +501,10 @@ def _plan_parser(sub) -> None:
         help="JSONL, one request a line: arrival_s, prompt_tokens, output_tokens (cached_tokens optional)",
     )
     plan.add_argument("--window-s", type=float, default=60.0, help="the trace is planned a window at a time")
-    plan.add_argument("--max-groups", type=int, default=None, help="split this many groups (default: peaks)")
-    plan.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (default 1000)")
-    plan.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target (default 100)")
-    plan.add_argument("--utilization", type=float, default=0.8, help="the busy fraction planned for")
+    from kvferry.deploy.planner import DEFAULT_TOKEN_BUDGET, AutoscaleSettings
+
+    targets = ("max_groups", "ttft_ms", "tpot_ms", "utilization")  # the planner's own settings
+    add_config_args(plan, AutoscaleSettings, only=targets)
     costs = plan.add_argument_group(
         "step costs (the first given: a live cluster's fits, these figures, or measured here on --model)"
     )
@@ -662,11 +512,10 @@ def _plan_parser(sub) -> None:
         "--prefill-cost", default=None, metavar="FIXED,PER_TOKEN,PER_KPAIR", help="prefill step model (ms)"
     )
     costs.add_argument("--decode-cost", default=None, metavar="FIXED,PER_TOKEN,PER_KPAIR", help="decode (ms)")
-    costs.add_argument("--model", default="bench", help="measure the step costs of this model here")
-    costs.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    costs.add_argument("--token-budget", type=int, default=512, help="prefill tokens a step (chunking)")
-    costs.add_argument("--decode-pace-ms", type=float, default=0.0, help="decode step interval floor")
-    costs.add_argument("--max-num-seqs", type=int, default=256, help="decode batch seats")
+    # the workers' engine settings the costs are priced with (prefill: its step's token budget)
+    fleet = ("model", "dtype", "max_num_batched_tokens", "decode_step_interval_ms", "max_num_seqs")
+    add_config_args(costs, EngineConfig, only=fleet)
+    costs.set_defaults(model="bench", max_num_batched_tokens=DEFAULT_TOKEN_BUDGET)
     _local_cluster_args(costs)  # a running cluster: its workers' fits
     plan.set_defaults(func=_cmd_plan)
 
@@ -682,8 +531,8 @@ def _cmd_plan(args) -> int:
         print(f"kvferry: error: --trace: {err}", file=sys.stderr)
         return 2
     targets = planner.PlanTargets(
-        ttft_ms=args.slo_ttft_ms or planner.DEFAULT_TTFT_MS,
-        tpot_ms=args.slo_tpot_ms or planner.DEFAULT_TPOT_MS,
+        ttft_ms=args.ttft_ms or planner.DEFAULT_TTFT_MS,
+        tpot_ms=args.tpot_ms or planner.DEFAULT_TPOT_MS,
         utilization=args.utilization,
     )
     if not 0 < targets.utilization <= 1 or targets.ttft_ms <= 0 or targets.tpot_ms <= 0 or args.window_s <= 0:
@@ -722,9 +571,9 @@ def _cmd_plan(args) -> int:
             source = f"measured here on {args.model}"
         else:
             source = "given"
-        prefill = planner.RoleLoad(cost=parsed["prefill"], budget=args.token_budget)
+        prefill = planner.RoleLoad(cost=parsed["prefill"], budget=args.max_num_batched_tokens)
         decode = planner.RoleLoad(
-            cost=parsed["decode"], pace_ms=args.decode_pace_ms, max_num_seqs=args.max_num_seqs
+            cost=parsed["decode"], pace_ms=args.decode_step_interval_ms or 0.0, max_num_seqs=args.max_num_seqs
         )
     try:
         plan = planner.plan_trace(rows, prefill, decode, targets, args.window_s, args.max_groups)

@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 from kvferry.kvpool.client import PoolClient
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.dataplane import (
     COMMIT,
     GET,
     IDLE,
-    TRANSFER_TIMEOUT_S,
     Header,
     answer_tag,
     encode_answer,
@@ -104,70 +104,9 @@ class Awaiting:
     deadline: float
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
-@dataclass(frozen=True)
-class PoolNodeConfig:
-    """A pool node's settings; its command-line flags are derived from these fields (`kvferry.flags`)."""
-
-    node_id: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    store_port: int = 0
-    num_slots: int = 1024
-    device: str = "cpu"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "default"
-    heartbeat_s: float = 1.0
-    ttl_s: float = 5.0
-    private_ttl_s: float = field(
-        default=20.0,
-        metadata=_help(
-            "free a request's private tail block this long after it was written if nobody read or "
-            "released it (its router died before the decode started)"
-        ),
-    )
-    assemble_timeout_s: float = field(
-        default=30.0, metadata=_help("how long a block waits for the other ranks' KV-head slices")
-    )
-    transfer_timeout_s: float = field(
-        default=TRANSFER_TIMEOUT_S,
-        metadata=_help("the longest wait on a peer's transfer (a client that died or hangs)"),
-    )
-    reserve_ttl_s: float = field(
-        default=30.0,
-        metadata=_help("slots a client reserved go back to the pool this long after its last reserve or put"),
-    )
-    max_reserve: int = field(default=1024, metadata=_help("slots one Reserve hands out at most"))
-    shm: bool = field(
-        default=True,
-        metadata=_help(
-            "keep the slab in /dev/shm for clients on this host (--no-shm: private memory, and those "
-            "clients use the pair group too)"
-        ),
-    )
-    disk_dir: str = field(
-        default="",
-        metadata=_help("spill evicted blocks to files here (one directory per node; kept across restarts)"),
-    )
-    disk_max_gib: float = field(default=0.0, metadata=_help("the disk tier's size (with --disk-dir)"))
-    # hot blocks (`hot.py`): read over the network hot_reads times within hot_window_s, a block is copied
-    # to other nodes until it has hot_replicas copies (hot_reads 0: off)
-    hot_reads: int = field(
-        default=8,
-        metadata=_help(
-            "a block read over the network this many times within --hot-window-s is copied to other "
-            "nodes (0: never)"
-        ),
-    )
-    hot_window_s: float = 60.0
-    hot_replicas: int = field(default=2, metadata=_help("copies a hot block gets"))
-
-
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
-    def __init__(self, cfg: PoolNodeConfig, layout: BlockLayout):
+    def __init__(self, cfg: PoolConfig, layout: BlockLayout):
+        cfg = cfg.for_layout(layout.block_bytes)
         self.cfg = cfg
         self.node_id = cfg.node_id or f"pool-{uuid.uuid4().hex[:8]}"
         self.layout = layout

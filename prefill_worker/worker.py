@@ -402,17 +402,6 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job.holder = []
 
 
-def add_prefill_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-streaming",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="put each layer of the finished blocks to the pool while the next layers compute (on), "
-        "after the prefill (off), or on when the engine runs on a GPU (auto: the default; on CPU the "
-        "transfer takes cores from the prefill and costs more than it saves)",
-    )
-
-
 def prefill_engine_config(args: argparse.Namespace, cfg):
     if cfg.expert_parallel_size > 1:
         raise SystemExit(
@@ -427,9 +416,8 @@ ROLE = WorkerRole(
     add_to_server=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
     descriptor=worker_pb2.DESCRIPTOR,
     parallel=lambda comm: Parallel(comm, Comm.single()),  # tensor-parallel: every rank a head slice
-    add_args=add_prefill_args,
     engine_config=prefill_engine_config,
-    configure=lambda servicer, args: servicer.stream_layers(args.kv_streaming),
+    configure=lambda servicer, pool: servicer.stream_layers(pool.stream_layers),
     follow=follow,  # ranks > 0 run rank 0's commands
 )
 

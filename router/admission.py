@@ -2,7 +2,8 @@
 then tokenizing (off the event loop) and validating every field. What a request holds while in flight
 (`Inflight`) and the errors that end it (`RequestRejected`, `WorkerFailed`) live here too.
 
-`Admission` is one part of `router.server.Router` (with `router.dispatch` and `router.relay`).
+`Admission` is one of the five parts of `router.server.Router` (with `router.slo`, `router.dispatch`,
+`router.relay` and `router.sequences`).
 """
 
 from __future__ import annotations

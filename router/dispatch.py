@@ -2,7 +2,8 @@
 block keys and pool lookup, and failover to another worker when one dies or refuses
 (`router.failover`).
 
-`PrefillDispatch` is one part of `router.server.Router` (with `router.admission` and `router.relay`).
+`PrefillDispatch` is one of the five parts of `router.server.Router` (with `router.admission`,
+`router.slo`, `router.relay` and `router.sequences`).
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvferry.kvpool.metadata import Location
+from kvferry.router.config import ROUTING_MODES
 from kvferry.router.directory import Directory, Member
 from kvferry.router.failover import pick_excluding
 
-ROUTING_MODES = ("kv-aware", "least-load")
 REASONS = ("prefix", "pool_locality", "load", "only_choice")
 # the record bound of a worker whose registry record reports no `total_blocks` (prefill workers report it)
 DEFAULT_CAPACITY_BLOCKS = 4096

@@ -2,7 +2,8 @@
 applied here, a decode worker that breaks mid-stream replaced by another that resumes where it stopped
 (`router.failover.resume_request`), and the colocated baseline (one worker runs both phases).
 
-`StreamRelay` is one part of `router.server.Router` (with `router.admission` and `router.dispatch`).
+`StreamRelay` is one of the five parts of `router.server.Router` (with `router.admission`, `router.slo`,
+`router.dispatch` and `router.sequences`).
 """
 
 from __future__ import annotations

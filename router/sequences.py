@@ -9,7 +9,8 @@ the siblings start once the leader's first token is out, so its prompt is in the
 cache, and go to the leader's worker while it is up. A leader that fails or is aborted before its
 prefill answers leaves each sibling to prefill alone. Messages carry their sequence's `index`.
 
-`Sequences` is one part of `router.server.Router`.
+`Sequences` is one of the five parts of `router.server.Router` (with `router.admission`, `router.slo`,
+`router.dispatch` and `router.relay`).
 """
 
 from __future__ import annotations

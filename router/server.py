@@ -27,7 +27,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,14 +47,15 @@ from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
 from kvferry.router.admission import Admission, Inflight, RequestRejected, error_code
+from kvferry.router.config import RouterConfig
 from kvferry.router.directory import Directory
 from kvferry.router.dispatch import PrefillDispatch, cached_of
 from kvferry.router.http_server import start_http
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.prefix_routing import ROUTING_MODES, PrefillRouting, RoutingConfig
+from kvferry.router.prefix_routing import PrefillRouting, RoutingConfig
 from kvferry.router.relay import Relay, StreamRelay, response
 from kvferry.router.sequences import LeaderGone, Sequences
-from kvferry.router.slo import ADMISSION_MODES, MISS_ACTIONS, SloAdmission, check_default_target
+from kvferry.router.slo import SloAdmission, check_default_target
 from kvferry.rpc import (
     MAX_MESSAGE_BYTES,
     SERVER_KEEPALIVE,
@@ -63,125 +64,10 @@ from kvferry.rpc import (
     hard_exit,
     service_names,
 )
-from kvferry.settings import API_KEY_ENV, load_settings
+from kvferry.settings import load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
-
-
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-
-
-def _help(text: str, **more) -> dict:
-    return {"help": text, **more}
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's settings; its command-line flags are derived from these fields (`kvferry.flags`)."""
-
-    model: str = field(default="tiny", metadata=_help("checkpoint directory, or a built-in name"))
-    host: str = "127.0.0.1"
-    port: int = 50051
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "default"
-    max_inflight: int = field(
-        default=256, metadata=_help("requests in flight at most (RESOURCE_EXHAUSTED past it)")
-    )
-    refresh_s: float = field(default=0.5, metadata=_help("how often the registry of workers is read"))
-    colocated: bool = field(
-        default=False, metadata=_help("no prefill workers: decode workers do both phases (the baseline)")
-    )
-    http_port: int | None = field(
-        default=8000, metadata=_help("the OpenAI-compatible API and /metrics (0: any free port)")
-    )
-    served_model_name: tuple[str, ...] = field(
-        default=(),
-        metadata=_help(
-            "a model name of the APIs (repeatable: every one is accepted, the first is the one shown; "
-            "default: the model's name)"
-        ),
-    )
-    chat_template: str | None = field(
-        default=None,
-        metadata=_help(
-            "the chat API's template: a Jinja file, or the template itself (default: the model's)"
-        ),
-    )
-    generation_config: str = field(
-        default="auto",
-        metadata=_help(
-            "sampling defaults for the fields a request leaves unset (temperature, top_p, top_k, min_p, "
-            "repetition_penalty, max_new_tokens): auto = the model's generation_config.json, vllm = none, "
-            "or a directory holding a generation_config.json"
-        ),
-    )
-    uvicorn_log_level: str = field(
-        default="warning",
-        metadata=_help(
-            "the HTTP server's log level",
-            choices=("critical", "error", "warning", "info", "debug", "trace"),
-        ),
-    )
-    api_keys: tuple[str, ...] = field(
-        default=(),
-        repr=False,
-        metadata=_help(
-            f"a bearer key clients must send (repeatable; also ${API_KEY_ENV}, comma-separated); "
-            "none: the API is open",
-            flag="api-key",
-        ),
-    )
-    ssl_certfile: str | None = field(
-        default=None, metadata=_help("serve gRPC and HTTP over TLS with this PEM certificate")
-    )
-    ssl_keyfile: str | None = field(default=None, metadata=_help("the certificate's PEM private key"))
-    request_timeout_s: float = field(
-        default=600.0, metadata=_help("the deadline of a request whose client sets none")
-    )
-    max_request_bytes: int = field(
-        default=4 * 2**20,
-        metadata=_help("the largest request message accepted (far above a valid request)"),
-    )
-    event_loop: str = field(
-        default="auto",
-        metadata=_help(
-            "the asyncio loop: uvloop (fewer CPU cycles per streamed message), asyncio, or auto (uvloop "
-            "where it is installed)",
-            choices=EVENT_LOOPS,
-        ),
-    )
-    routing: str = field(
-        default="kv-aware",
-        metadata=_help(
-            "prefill worker choice: kv-aware (the one expected to hold most of the prompt's prefix, "
-            "weighed against load) or least-load (router.prefix_routing)",
-            choices=ROUTING_MODES,
-        ),
-    )
-    slo_ttft_ms: float | None = field(
-        default=None,
-        metadata=_help("the TTFT target of a request that sets none (GenerateRequest.slo; none: no target)"),
-    )
-    slo_tpot_ms: float | None = field(
-        default=None, metadata=_help("the TPOT target of a request that sets none (none: no target)")
-    )
-    admission: str = field(
-        default="predictive",
-        metadata=_help(
-            "predictive: a request with an SLO whose predicted TTFT or TPOT misses it is refused at once "
-            "(or deprioritized, --on-predicted-miss); cap: --max-inflight alone (router.slo)",
-            choices=ADMISSION_MODES,
-        ),
-    )
-    on_predicted_miss: str = field(
-        default="reject",
-        metadata=_help(
-            "what predictive admission does with a request predicted to miss its SLO: reject it "
-            "(RESOURCE_EXHAUSTED / 429 with Retry-After) or deprioritize it (queued behind every other)",
-            choices=MISS_ACTIONS,
-        ),
-    )
 
 
 def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -226,7 +112,8 @@ class Router(
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
         self._init_slo()
 
-    # -- Generate (admission: router.admission; the prefill: router.dispatch; the stream: router.relay) --
+    # -- Generate (admission: router.admission, router.slo; the prefill: router.dispatch; the stream:
+    # router.relay; n sequences of one prompt: router.sequences) --
     async def Generate(self, request, context):
         """The gRPC face of `generate`: typed errors become status codes."""
         try:
@@ -531,11 +418,16 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
     await router.directory.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The router's command line: RouterConfig's fields (`kvferry.flags`), and the Redis URL."""
     p = argparse.ArgumentParser(prog="python -m kvferry.router", description="run the kvferry router")
-    add_config_args(p, RouterConfig, skip={"redis_url"})
+    add_config_args(p, RouterConfig)
     add_redis_url_arg(p)
-    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         p.error("--ssl-certfile and --ssl-keyfile go together")
@@ -547,12 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             p.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
-    cfg = config_from(
-        args,
-        RouterConfig,
-        http_port=None if args.no_http else args.http_port,
-        api_keys=(*(args.api_keys or ()), *load_settings().api_keys),
-    )
+    cfg = config_from(args, RouterConfig, api_keys=(*(args.api_key or ()), *load_settings().api_keys))
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -39,8 +39,6 @@ from kvferry.engine.cost_model import StepCost
 from kvferry.engine.loop import PACE_MIN_RUNNING
 from kvferry.engine.request import InvalidRequestError
 
-ADMISSION_MODES = ("predictive", "cap")
-MISS_ACTIONS = ("reject", "deprioritize")
 DEPRIORITIZED = 2**31 - 1  # the priority a deprioritized request is queued at: behind every other
 MAX_SLO_MS = 86_400_000.0  # a day
 # What is learned from served requests, per priority (a lower priority's waits also stretch with later,

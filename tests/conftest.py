@@ -87,6 +87,24 @@ def eight_expert_model_dir(kvferry_cache) -> Path:
     return _tiny_with_experts(kvferry_cache, 8)
 
 
+@pytest.fixture(scope="session")
+def trained_model(kvferry_cache):
+    """`kvferry model create trained` (the real training run: minutes), run once per session, as a user runs
+    it; every test that needs the trained weights shares them. Returns (the command's CompletedProcess:
+    stdout names the model's directory, stderr has the progress bar; the model's directory)."""
+    import subprocess
+    import sys
+
+    made = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "model", "create", "trained"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    return made, kvferry_cache / "models" / "trained"
+
+
 def transformers_greedy(
     model_dir: Path, prompts: list[list[int]], new_tokens: int, **generate_kwargs
 ) -> list[list[int]]:

@@ -23,14 +23,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvferry.engine.args import add_engine_args, engine_config_from
 from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.flags import SETTINGS, ConfigError, add_config_args, config_from
 from kvferry.kvpool.client import PoolClient
-from kvferry.kvpool.dataplane import TRANSFER_TIMEOUT_S
+from kvferry.kvpool.config import WORKER_SETTINGS, PoolConfig
 from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.proc import confine_openmp, on_passing_thread, run_torch_serially, settle_heap
 from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
+from kvferry.worker.config import WorkerConfig
 from kvferry.worker.group import Group, form_group
 from kvferry.worker.service import EngineWorker, default_max_streams, kv_layout
 
@@ -38,62 +39,10 @@ log = logging.getLogger(__name__)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    p.add_argument("--worker-id", default="", help="the group's id (its ranks register as <id>.r<rank>)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, WorkerConfig)
     add_redis_url_arg(p)
-    p.add_argument("--namespace", default="default")
-    p.add_argument(
-        "--pool-replicas",
-        type=int,
-        default=1,
-        help="copies of each KV block this worker writes to the pool, on distinct nodes (as many as are "
-        "live): a block survives the death of all but one of them",
-    )
-    p.add_argument(
-        "--kv-transfer-timeout-s",
-        type=float,
-        default=TRANSFER_TIMEOUT_S,
-        help="the longest wait on a pool node within a transfer (a lost host, a partition): past it a "
-        "pull recomputes what did not arrive, a put counts as not stored",
-    )
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument(
-        "--stall-timeout-s",
-        type=float,
-        default=30.0,
-        help="an engine loop inside one iteration (a step, a collective) longer than this counts as hung: "
-        "the worker stops re-registering, so the router drops it, until the loop moves again",
-    )
-    p.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        default=None,
-        help="Decode/Prefill calls held open at most (beyond: RESOURCE_EXHAUSTED); default "
-        "max(1024, 4 * --max-num-seqs)",
-    )
-    p.add_argument(
-        "--group-timeout-s",
-        type=float,
-        default=60.0,
-        help="a collective of a multi-rank group that waits longer than this fails (the group exits); "
-        "joining the group and loading the weights get kvferry.model.parallel.SETUP_TIMEOUT_S",
-    )
-    p.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=60.0,
-        help="on SIGTERM: stop taking requests and wait up to this long for the ones in flight",
-    )
-    p.add_argument(
-        "--rank",
-        type=int,
-        default=None,
-        help="this process's rank in its group (given by an external launcher such as Ray; without it, "
-        "rank 0 starts the other ranks itself)",
-    )
-    p.add_argument("--dist-init", default="", help="HOST:PORT of the group's TCPStore (hosted by rank 0)")
+    add_config_args(p, PoolConfig, only=WORKER_SETTINGS, prefix="pool", scope=SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -108,8 +57,8 @@ class WorkerRole:
     add_args: Callable[[argparse.ArgumentParser], None] = lambda p: None  # the role's own flags
     # check the role's flags against the engine config and apply them (SystemExit with a message)
     engine_config: Callable[[argparse.Namespace, EngineConfig], EngineConfig] = lambda args, cfg: cfg
-    # applied to the servicer before it serves
-    configure: Callable[[EngineWorker, argparse.Namespace], None] = lambda servicer, args: None
+    # applied to the servicer before it serves (with the pool's settings the workers take)
+    configure: Callable[[EngineWorker, PoolConfig], None] = lambda servicer, pool: None
     # a rank > 0 of a group whose rank 0 alone serves (tensor-parallel prefill) runs this instead
     follow: Callable[[LLMEngine, PoolClient, Group], None] | None = None
 
@@ -131,7 +80,11 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     # torch's parallel regions run on the engine thread alone (and the thread that builds the engine,
     # then ends): a second OpenMP team anywhere in the process slows every step (kvferry.proc)
     confine_openmp(("engine", "build"))
-    cfg: EngineConfig = role.engine_config(args, engine_config_from(args))
+    cfg: EngineConfig = role.engine_config(args, config_from(args, EngineConfig))
+    try:
+        pool_cfg = config_from(args, PoolConfig, prefix="pool")
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
     group_id = args.worker_id or f"{role.name}-{uuid.uuid4().hex[:8]}"
     group, cfg = form_group(args, cfg, role.name, group_id, argv)
     worker_id = group.member_id()
@@ -142,18 +95,14 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     # (kvferry.proc); the router makes the text
     engine = on_passing_thread(lambda: LLMEngine(cfg, role.parallel(group.comm), detokenize=False))
     meta = MetadataStore(args.redis_url, args.namespace)
-    if args.pool_replicas < 1:
-        raise SystemExit(f"--pool-replicas must be >= 1, got {args.pool_replicas}")
-    if args.kv_transfer_timeout_s <= 0:
-        raise SystemExit(f"--kv-transfer-timeout-s must be > 0, got {args.kv_transfer_timeout_s}")
     pool = PoolClient(
         meta,
         kv_layout(engine),
         peer_id=worker_id,
         host=args.host,
         device=str(engine.device),
-        replicas=args.pool_replicas,
-        transfer_timeout_s=args.kv_transfer_timeout_s,
+        replicas=pool_cfg.replicas,
+        transfer_timeout_s=pool_cfg.transfer_timeout_s,
     )
     serving_timeouts(group, args.group_timeout_s)
     if group.rank > 0 and role.follow is not None:
@@ -167,7 +116,7 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
         hard_exit(0)
     servicer = role.servicer(engine, pool, worker_id, group)
     servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
-    role.configure(servicer, args)
+    role.configure(servicer, pool_cfg)
     server = AioServer(
         lambda s: role.add_to_server(servicer, s), service_names(role.descriptor), args.host, args.port
     )

@@ -8,9 +8,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cluster_helpers import metric, wait_for
-from conftest import make_cluster_config
-from test_cluster import greedy, offline, random_prompt
+from cluster_helpers import greedy, make_cluster_config, metric, random_prompt, wait_for
+from test_cluster import offline
 
 from kvferry.deploy.local import LocalCluster
 from kvferry.deploy.planner import AutoscaleSettings

@@ -1,4 +1,6 @@
-"""The disaggregated path end to end: real processes, real gRPC, real Redis, real gloo transfers."""
+"""The disaggregated path end to end: real processes, real gRPC, real Redis, real gloo transfers. (conftest's
+shared `cluster`: two prefill workers, one decode worker, one pool node; the other modules declaring it
+send their own requests to it, so counts here are differences.)"""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
-from cluster_helpers import assert_released, metric, wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import (
+    ENGINE,
+    assert_released,
+    greedy,
+    make_cluster_config,
+    metric,
+    random_prompt,
+    wait_for,
+)
 
 from kvferry.convert import sampling_to_proto
 from kvferry.deploy.config import WorkerGroupSettings
@@ -22,17 +30,15 @@ from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
 from kvferry.v1 import pool_pb2, worker_pb2
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster()]
 
 NEW_TOKENS = 16
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=1024, num_kv_blocks=512)
-    )
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def offline(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
@@ -41,14 +47,6 @@ def offline(engine: LLMEngine, prompt_ids: list[int], max_tokens: int = NEW_TOKE
     for out in engine.stream(params=params, prompt_token_ids=prompt_ids):
         tokens += out.new_token_ids
     return tokens
-
-
-def greedy(ids, max_tokens=NEW_TOKENS, **kw):
-    return build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def random_prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_greedy_matches_engine_and_transformers(client, engine, tiny_model_dir, hf_greedy):

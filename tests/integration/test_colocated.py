@@ -5,34 +5,19 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import make_cluster_config
-from test_cluster import greedy, random_prompt, wait_for
+from cluster_helpers import assert_released, greedy, random_prompt
 
-from kvferry import rpc
-from kvferry.deploy.local import LocalCluster
-from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client
-from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
-pytestmark = pytest.mark.slow
+# a shared cluster of conftest's (this module is its only user)
+pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster(colocated=True)]
 
 NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def colocated(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-colocated", colocated=True)
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("logs-colocated"), quiet=True) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def decode_stats(colocated):
-    meta = MetadataStore(colocated.redis_url, colocated.cfg.namespace)
-    (info,) = wait_for(lambda: meta.members("decode"), what="decode registry").values()
-    with rpc.channel(info["addr"]) as channel:
-        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-        yield lambda: stub.GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
+def colocated(cluster):
+    return cluster
 
 
 def test_greedy_matches_transformers(colocated, tiny_model_dir, hf_greedy):
@@ -48,7 +33,7 @@ def test_greedy_matches_transformers(colocated, tiny_model_dir, hf_greedy):
             assert 0 < timings.ttft_ms <= timings.e2e_ms
 
 
-def test_abort_and_stop_free_the_worker(colocated, decode_stats):
+def test_abort_and_stop_free_the_worker(colocated, members):
     with Client(colocated.router_addr) as client:
         stream = client.stream(
             greedy(random_prompt(40, 40), max_tokens=900, request_id="co-abort"), timeout=120
@@ -59,12 +44,7 @@ def test_abort_and_stop_free_the_worker(colocated, decode_stats):
         with pytest.raises(grpc.RpcError) as err:  # 900 tokens take ~0.5 s: expires mid-generation
             client.generate(greedy(random_prompt(41, 40), max_tokens=900), timeout=0.2)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-
-        def idle():
-            s = decode_stats()
-            return not s.active_request_ids and s.free_blocks == s.total_blocks and s.running == 0
-
-        wait_for(idle, 30, "the worker to free every block")
+        assert_released(members)  # the worker holds no request and frees every block
         assert (
             client.generate(greedy(random_prompt(42, 20), max_tokens=4), timeout=60).finished.output_tokens
             == 4

@@ -2,7 +2,8 @@
 router as processes): a prompt sharing a long prefix with an earlier one goes to the prefill worker that
 computed it and hits that worker's own cache, as predicted; when that worker falls behind (stopped with
 SIGSTOP, so its calls pile up), a burst sharing the prefix spreads to the other one. Greedy output
-equals transformers' throughout."""
+equals transformers' throughout. (conftest's shared `cluster`: its other users' prompts share no prefix
+with these, and the counts here are differences.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import metric, wait_for
-from test_cluster import greedy, random_prompt
+from cluster_helpers import greedy, metric, random_prompt, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster()]
 
 PREFIX = 512  # 32 blocks, shared by every prompt
 NEW_TOKENS = 8
@@ -23,7 +23,7 @@ BURST = 7
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    shared = random_prompt(7, PREFIX)
+    shared = random_prompt(1007, PREFIX)  # a seed no other user of the shared cluster prompts with
     return [shared + random_prompt(100 + i, 20) for i in range(3 + BURST)]
 
 

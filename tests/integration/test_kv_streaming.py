@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cluster_helpers import Members, wait_for
-from conftest import make_cluster_config
+from cluster_helpers import Members, make_cluster_config, wait_for
 
-from kvferry.deploy.config import PoolSettings, WorkerGroupSettings
+from kvferry.deploy.config import PoolConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.metadata import MetadataStore
@@ -35,7 +34,7 @@ def test_chunked_prompt_streams_its_blocks(
         tiny_model_dir,
         redis_server.url,
         f"test-stream-{mode}-{shm}",
-        pool=PoolSettings(nodes=1, memory_gib=0.1, stream_layers=mode, shm=shm),
+        pool=PoolConfig(nodes=1, memory_gib=0.1, stream_layers=mode, shm=shm),
         prefill=WorkerGroupSettings(replicas=1, engine=CHUNKED),
         decode=WorkerGroupSettings(replicas=1, engine=CHUNKED),
     )

@@ -14,8 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from cluster_helpers import wait_for
-from conftest import make_cluster_config
+from cluster_helpers import make_cluster_config, wait_for
 
 from kvferry import rpc
 from kvferry.deploy.local import LocalCluster

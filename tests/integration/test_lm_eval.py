@@ -39,6 +39,7 @@ def loglikelihood(hf, tokenizer: Tokenizer, context: str, continuation: str) -> 
     return sum(logp[i - 1, tokens[i]].item() for i in range(len(head), len(tokens)))
 
 
+@pytest.mark.timeout(900)  # `kvferry up` has 240 s to be ready, lm-eval 600 s to run
 def test_lm_eval_runs_and_its_loglikelihoods_equal_transformers(tiny_model_dir, tmp_path):
     pytest.importorskip("lm_eval")
     from transformers import AutoModelForCausalLM

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API and /metrics of a real cluster, driven by the real `openai` client,
-raw sockets and `kvferry loadtest sweep --target http://...`."""
+raw sockets and `kvferry loadtest sweep --target http://...`. (A shared cluster of conftest's: a router that
+admits 4 requests at once and serves the model as kvferry-tiny; this module is its only user.)"""
 
 from __future__ import annotations
 
@@ -13,36 +14,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import torch
-from cluster_helpers import Members, assert_released, wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import ENGINE, assert_released, metric, metrics_text, post, wait_for
+from cluster_helpers import random_prompt as prompt_ids
 
-from kvferry.deploy.config import RouterSettings, WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster
+from kvferry.deploy.config import RouterConfig, WorkerGroupSettings
 from kvferry.model.chat_template import ChatTemplate
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import free_port
 from kvferry.router.client import Client, build_request
 
-pytestmark = pytest.mark.slow
-
 MAX_INFLIGHT = 4
 NAME = "kvferry-tiny"
 
-
-@pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = make_cluster_config(
-        tiny_model_dir,
-        redis_server.url,
-        "test-openai",
-        router=RouterSettings(
-            port=0, http_port=0, max_inflight=MAX_INFLIGHT, served_model_name="kvferry-tiny"
-        ),
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shared_cluster(
+        router=RouterConfig(port=0, http_port=0, max_inflight=MAX_INFLIGHT, served_model_name=NAME),
         prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
-    )
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("openai-logs"), quiet=True) as c:
-        yield c
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +45,6 @@ def api(cluster):
 def grpc_client(cluster):
     with Client(cluster.router_addr) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def members(cluster):
-    m = Members(cluster)
-    yield m
-    m.close()
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def grpc_greedy(client: Client, ids: list[int], max_tokens: int) -> list[int]:
@@ -148,16 +127,6 @@ def test_models_and_health(cluster):
     assert "/" not in json.dumps(card)  # no checkpoint path
     with urllib.request.urlopen(cluster.http_url + "/health", timeout=10) as reply:
         assert reply.status == 200
-
-
-def post(url: str, body: dict | bytes) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
 
 
 @pytest.mark.parametrize(
@@ -269,19 +238,6 @@ def held_stream(http_url: str, body: dict) -> socket.socket:
     return wait_for(attempt, what="a stream to be admitted")
 
 
-def metric(http_url: str, name: str, **labels) -> float:
-    """The value of one series of /metrics (0 when absent)."""
-    with urllib.request.urlopen(http_url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            inside = line[line.find("{") + 1 : line.find("}")] if "{" in line else ""
-            if want <= set(inside.split(",")):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_client_disconnect_mid_stream_releases_the_request(cluster, members):
     def cancels() -> float:
         return metric(cluster.http_url, "kvferry:requests_total", api="http", code="CANCELLED")
@@ -365,8 +321,7 @@ def test_metrics_after_requests(cluster, api):
     assert metric(url, "kvferry:request_success_total", finished_reason="length") >= 3
     assert metric(url, "kvferry:generation_tokens_total") >= 12
     assert metric(url, "kvferry:requests_total", api="http", code="INVALID_ARGUMENT") >= 1
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    text = metrics_text(url)
     for gauge in (
         "kv_cache_usage_perc",
         "pool_slab_usage_perc",

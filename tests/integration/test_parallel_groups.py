@@ -1,7 +1,8 @@
 """Tensor-parallel prefill groups x expert-parallel decode groups: greedy parity with transformers.
 
 Every combination of prefill TP in {1, 2} and decode EP in {1, 2} is a real cluster (rank processes,
-gloo groups, the pool, Redis, the router), plus one cluster mixing groups of different degrees.
+gloo groups, the pool, Redis, the router), plus one cluster mixing groups of different degrees. The TP=2 x
+EP=2 cluster of the parity test is then drained by the next test (conftest's cluster_for: one start).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import Members, metric, wait_for
-from conftest import ENGINE, make_cluster_config
-from test_cluster import greedy, random_prompt
+from cluster_helpers import ENGINE, Members, greedy, make_cluster_config, metric, random_prompt, wait_for
 
 from kvferry.deploy.config import WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
@@ -22,6 +21,7 @@ from kvferry.router.client import Client
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 16
+CORNERS = [(1, 2), (2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,12 @@ REGEX = "[a-z ]+"
 
 
 @pytest.fixture(scope="module")
-def controls_reference(tiny_model_dir, prompts):
+def controls_reference(tiny_engine, prompts):
     """The offline engine's answer (float32, one process) to a request under the sampling controls."""
-    from kvferry.engine.engine import EngineConfig, LLMEngine
     from kvferry.engine.request import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", **ENGINE))
     params = SamplingParams(**CONTROLS, structured=("regex", REGEX))
-    (done,) = engine.generate([{"prompt_token_ids": prompts[0], "params": params}])
+    (done,) = tiny_engine.generate([{"prompt_token_ids": prompts[0], "params": params}])
     return done
 
 
@@ -84,6 +82,11 @@ def group(replicas: int = 1, **degree) -> WorkerGroupSettings:
     return WorkerGroupSettings(replicas=replicas, engine={**ENGINE, **degree})
 
 
+def corner(tp: int, ep: int) -> dict:
+    """The settings of the cluster with one TP=`tp` prefill group and one EP=`ep` decode group."""
+    return {"prefill": group(tensor_parallel_size=tp), "decode": group(expert_parallel_size=ep)}
+
+
 def start(redis_server, tiny_model_dir, tmp_path_factory, name, prefill, decode) -> LocalCluster:
     cfg = make_cluster_config(
         tiny_model_dir, redis_server.url, f"test-parallel-{name}", prefill=prefill, decode=decode
@@ -104,42 +107,77 @@ def run_all(addr: str, prompts) -> list[list[int]]:
     return [first, *rest]
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)])
-def test_greedy_parity(
-    redis_server, tiny_model_dir, tmp_path_factory, prompts, reference, controls_reference, tp, ep
-):
+@pytest.mark.parametrize(
+    ("tp", "ep"),
+    [pytest.param(tp, ep, marks=pytest.mark.shared_cluster(**corner(tp, ep))) for tp, ep in CORNERS],
+)
+def test_greedy_parity(cluster_for, prompts, reference, controls_reference, tp, ep):
     """(TP 1, EP 1) is test_cluster.py's cluster; these are the other three corners of the matrix. The
     sampling controls and outputs give the offline engine's answer in each too."""
-    with start(
-        redis_server,
-        tiny_model_dir,
-        tmp_path_factory,
-        f"tp{tp}-ep{ep}",
-        group(tensor_parallel_size=tp),
-        group(expert_parallel_size=ep),
-    ) as cluster:
-        got = run_all(cluster.router_addr, prompts)
-        for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
-            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs at TP={tp} EP={ep}"
-        check_controls(cluster.router_addr, prompts, controls_reference)
+    cluster = cluster_for(**corner(tp, ep))
+    got = run_all(cluster.router_addr, prompts)
+    for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+        assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs at TP={tp} EP={ep}"
+    check_controls(cluster.router_addr, prompts, controls_reference)
+    members = Members(cluster)
+    try:
+        prefill = members.stats("prefill")
+        assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(tp, 0)]
+        assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48  # the pair
+        decode = members.stats("decode")
+        assert len(decode) == ep  # an EP group registers every rank
+        if ep > 1:
+            # each rank decoded some of the requests, and all report the group's expert load
+            wait_for(lambda: all(s.requests > 0 for s in members.stats("decode").values()), 5, "both ranks")
+            for s in decode.values():
+                load = s.expert_load
+                assert len(load.layers) == 2 and all(len(layer.tokens) == 4 for layer in load.layers)
+                assert len(load.rank_moe_ms) == 2 and 0 < load.balance <= 1
+                assert all(t > 0 for t in load.rank_tokens)
+                assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers)
+    finally:
+        members.close()
+
+
+@pytest.mark.shared_cluster(**corner(2, 2))
+def test_groups_drain_as_one_on_sigterm(cluster_for):
+    """SIGTERM to a TP=2 prefill leader and an EP=2 decode group's rank 0 while both decode ranks hold
+    requests: every request finishes, then every rank leaves the registry and exits. (The parity test's
+    TP=2 x EP=2 cluster, taken: nobody gets it afterwards.)"""
+    with cluster_for.take(**corner(2, 2)) as cluster:
         members = Members(cluster)
+        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
         try:
-            prefill = members.stats("prefill")
-            assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(tp, 0)]
-            assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48  # the pair
-            decode = members.stats("decode")
-            assert len(decode) == ep  # an EP group registers every rank
-            if ep > 1:
-                # each rank decoded some of the requests, and all report the group's expert load
+            with Client(cluster.router_addr) as client, ThreadPoolExecutor(4) as pool:
+                futures = [
+                    pool.submit(client.generate, greedy(random_prompt(700 + i, 20), 150), 120)
+                    for i in range(4)
+                ]
+
+                def held() -> list[list[str]]:
+                    return [list(s.active_request_ids) for s in members.stats("decode").values()]
+
+                # every request past its prefill (a draining group takes nothing new: one still in
+                # prefill when the signal lands has no decode worker to go to), on both ranks
                 wait_for(
-                    lambda: all(s.requests > 0 for s in members.stats("decode").values()), 5, "both ranks"
+                    lambda: all(held()) and sum(map(len, held())) == len(futures),
+                    60,
+                    "both decode ranks to hold the requests",
                 )
-                for s in decode.values():
-                    load = s.expert_load
-                    assert len(load.layers) == 2 and all(len(layer.tokens) == 4 for layer in load.layers)
-                    assert len(load.rank_moe_ms) == 2 and 0 < load.balance <= 1
-                    assert all(t > 0 for t in load.rank_tokens)
-                    assert sum(load.rank_tokens) == sum(sum(layer.tokens) for layer in load.layers)
+                workers = [c for c in cluster.children if c.name in ("prefill-0", "decode-0")]
+                for child in workers:
+                    child.proc.send_signal(signal.SIGTERM)
+                wait_for(
+                    lambda: all(r.get("draining") for r in meta.members("decode").values()),
+                    10,
+                    "the whole decode group to report draining",
+                )
+                assert [f.result().finished.output_tokens for f in futures] == [150] * 4
+            for child in workers:
+                assert child.proc.wait(30) == 0
+            wait_for(
+                lambda: not meta.members("decode") and not meta.members("prefill"), 10, "no members left"
+            )
         finally:
             members.close()
 
@@ -176,54 +214,6 @@ def test_mixed_degrees_in_one_cluster(
                 lambda: metric(cluster, "kvferry:spec_decode_num_draft_tokens_total") > 0,
                 15,
                 "drafts verified",
-            )
-        finally:
-            members.close()
-
-
-def test_groups_drain_as_one_on_sigterm(redis_server, tiny_model_dir, tmp_path_factory):
-    """SIGTERM to a TP=2 prefill leader and an EP=2 decode group's rank 0 while both decode ranks hold
-    requests: every request finishes, then every rank leaves the registry and exits."""
-    with start(
-        redis_server,
-        tiny_model_dir,
-        tmp_path_factory,
-        "drain",
-        group(tensor_parallel_size=2),
-        group(expert_parallel_size=2),
-    ) as cluster:
-        members = Members(cluster)
-        meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
-        try:
-            with Client(cluster.router_addr) as client, ThreadPoolExecutor(4) as pool:
-                futures = [
-                    pool.submit(client.generate, greedy(random_prompt(700 + i, 20), 150), 120)
-                    for i in range(4)
-                ]
-
-                def held() -> list[list[str]]:
-                    return [list(s.active_request_ids) for s in members.stats("decode").values()]
-
-                # every request past its prefill (a draining group takes nothing new: one still in
-                # prefill when the signal lands has no decode worker to go to), on both ranks
-                wait_for(
-                    lambda: all(held()) and sum(map(len, held())) == len(futures),
-                    60,
-                    "both decode ranks to hold the requests",
-                )
-                workers = [c for c in cluster.children if c.name in ("prefill-0", "decode-0")]
-                for child in workers:
-                    child.proc.send_signal(signal.SIGTERM)
-                wait_for(
-                    lambda: all(r.get("draining") for r in meta.members("decode").values()),
-                    10,
-                    "the whole decode group to report draining",
-                )
-                assert [f.result().finished.output_tokens for f in futures] == [150] * 4
-            for child in workers:
-                assert child.proc.wait(30) == 0
-            wait_for(
-                lambda: not meta.members("decode") and not meta.members("prefill"), 10, "no members left"
             )
         finally:
             members.close()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from cluster_helpers import wait_for
 
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
 from kvferry.kvpool.dataplane import Put
@@ -65,13 +65,6 @@ def key(i: int, tag: int = 0) -> bytes:
     return bytes([tag]) + i.to_bytes(15, "little")
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def stats(client):
     return next(iter(client.stats().values()))
 
@@ -96,7 +89,7 @@ def test_put_then_get_round_trip_and_prefix_lookup(pool):
     keys = [key(i, 1) for i in range(3)]
     locations = pool.put("r1", keys, data)
     assert all(loc is not None for loc in locations)
-    wait_for(lambda: len(pool.lookup_prefix(keys)) == 3)  # published after the data landed
+    wait_for(lambda: len(pool.lookup_prefix(keys)) == 3, 10, "publishing")  # published after the data landed
     assert len(pool.lookup_prefix([keys[0], key(99, 1), keys[2]])) == 1  # stops at the first miss
     assert torch.equal(pool.get("r2", locations), data)
     assert stats(pool).leases == {}
@@ -126,12 +119,12 @@ def test_tp_slices_publish_only_when_every_head_arrived(pool):
     # a complete block put after it: once that one is published, anything queued before it was too
     marker = [key(1, 3)]
     pool.put("tp", marker, data)
-    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1)
+    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1, 10, "publishing")
     assert pool.lookup_prefix(keys) == []
     assert not first.done()
     (loc,) = pool.put("tp", keys, data[:, :, :, 2:].contiguous(), head_begin=2, head_end=4)
     assert loc is not None and first.result(timeout=10) == [loc]  # both slices landed in one slot
-    wait_for(lambda: len(pool.lookup_prefix(keys)) == 1)
+    wait_for(lambda: len(pool.lookup_prefix(keys)) == 1, 10, "publishing")
     assert torch.equal(pool.get("tp-read", [loc]), data)
     assert torch.equal(pool.get("tp-read", [loc], head_begin=1, head_end=3), data[:, :, :, 1:3])
 
@@ -146,7 +139,7 @@ def test_layer_wise_puts_complete_a_block_when_every_layer_and_head_came(pool):
     marker = [key(3, 5)]
     first = pool.put_async("lw", keys, data[:, :1].contiguous(), private, layers=(0, 1))
     pool.put("lw", marker, blocks(1, 6))  # published after it: the layer-0 put was handled before
-    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1)
+    wait_for(lambda: len(pool.lookup_prefix(marker)) == 1, 10, "publishing")
     assert pool.lookup_prefix(keys[:2]) == [] and not first.done()
     # layer 1 in two KV-head halves (a TP group's two ranks)
     halves = [
@@ -155,7 +148,7 @@ def test_layer_wise_puts_complete_a_block_when_every_layer_and_head_came(pool):
     ]
     found = [f.result(timeout=10) for f in (first, *halves)]
     assert found[0] == found[1] == found[2] and all(loc is not None for loc in found[0])
-    wait_for(lambda: len(pool.lookup_prefix(keys[:2])) == 2)
+    wait_for(lambda: len(pool.lookup_prefix(keys[:2])) == 2, 10, "publishing")
     assert torch.equal(pool.get("lw-read", found[0]), data)
     assert torch.equal(pool.get("lw-read", found[0][:2], head_begin=1, head_end=3), data[:2, :, :, 1:3])
     with pytest.raises(ValueError, match="layer slice"):
@@ -165,7 +158,7 @@ def test_layer_wise_puts_complete_a_block_when_every_layer_and_head_came(pool):
 
 def test_eviction_makes_stale_locations_misses(pool):
     first = pool.put("e1", [key(0, 4)], blocks(1, 4))
-    wait_for(lambda: len(pool.lookup_prefix([key(0, 4)])) == 1)
+    wait_for(lambda: len(pool.lookup_prefix([key(0, 4)])) == 1, 10, "publishing")
     before = stats(pool).evictions
     fill = [key(i, 5) for i in range(SLOTS)]
     pool.put("e2", fill, blocks(SLOTS, 5))  # more than the free slots: LRU blocks are evicted
@@ -173,7 +166,7 @@ def test_eviction_makes_stale_locations_misses(pool):
     assert pool.get("e3", first).shape[0] == 0  # the slot was reused: refused, never wrong data
     if pool.transport == "pair":  # a same-host read checks the generation itself, the node never sees it
         assert stats(pool).stale_gets >= 1
-    wait_for(lambda: pool.lookup_prefix([key(0, 4)]) == [])  # and its metadata was removed
+    wait_for(lambda: pool.lookup_prefix([key(0, 4)]) == [], 10, "its metadata to be removed")
 
 
 def test_redis_outage_means_misses_not_errors(pool, redis_server):
@@ -185,7 +178,7 @@ def test_redis_outage_means_misses_not_errors(pool, redis_server):
         assert torch.equal(pool.get("o2", locations), data)  # locations from the put still work
     finally:
         redis_server.start()
-    wait_for(lambda: pool.refresh() != {} and "n0" in pool.meta.members("pool"), 15)
+    wait_for(lambda: pool.refresh() != {} and "n0" in pool.meta.members("pool"), 15, "re-registration")
 
 
 def test_a_put_landing_around_a_block_the_node_has_keeps_each_blocks_bytes(pool):

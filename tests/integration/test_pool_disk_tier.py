@@ -9,11 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import torch
+from cluster_helpers import wait_for
 
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.metadata import DISK_SLOT, MetadataStore
@@ -25,13 +25,6 @@ LAYOUT = BlockLayout(2, 4, 16, 8, "float32")  # 16 KiB blocks
 SLOTS = 16
 CHAIN = 28  # puts of 4: the first 12 or more end up on disk only
 HEAD = 12  # the leading blocks a get asks for (fewer than the slab: they are restored together)
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 class Node:
@@ -77,7 +70,7 @@ def connect(node: Node, old_addr: str | None = None) -> PoolClient:
     record outlives it by a TTL)."""
     meta = MetadataStore(node.redis_url, node.namespace)
     client = PoolClient(meta, LAYOUT, peer_id=f"tester-{uuid.uuid4().hex[:6]}", shm=node.transport == "shm")
-    wait_for(lambda: client.refresh().get("d0", {}).get("addr", old_addr) != old_addr, 60)
+    wait_for(lambda: client.refresh().get("d0", {}).get("addr", old_addr) != old_addr, 60, "the new address")
     return client
 
 
@@ -99,7 +92,7 @@ def put_chain(client: PoolClient, keys, data) -> None:
             s = stats(client)
             return s.disk_spills + s.disk_spill_drops == s.evictions
 
-        wait_for(settled)
+        wait_for(settled, 20, "the puts to settle")
     s = stats(client)
     assert s.disk_spill_drops == 0 and s.disk_spills >= CHAIN - SLOTS
     assert s.disk_files == s.disk_spills
@@ -113,7 +106,7 @@ def head_on_disk(client: PoolClient, keys) -> list:
         found[:] = client.lookup_prefix(keys[:HEAD])
         return len(found) == HEAD and all(loc.slot == DISK_SLOT for loc in found)
 
-    wait_for(on_disk)
+    wait_for(on_disk, 20, "blocks on disk")
     return found
 
 
@@ -127,7 +120,9 @@ def test_evicted_blocks_come_back_from_disk(pool):
     s = stats(client)
     assert s.disk_hits == HEAD and s.disk_misses == 0 and s.disk_corrupt == 0
     # restored and published: the next lookup names the memory copies, and a get needs no disk read
-    wait_for(lambda: all(loc.slot != DISK_SLOT for loc in client.lookup_prefix(keys[:HEAD])))
+    wait_for(
+        lambda: all(loc.slot != DISK_SLOT for loc in client.lookup_prefix(keys[:HEAD])), 20, "restored blocks"
+    )
     assert torch.equal(client.get("g2", client.lookup_prefix(keys[:HEAD])), data[:HEAD])
     assert stats(client).disk_hits == HEAD
     assert (client.nodes["d0"].shm is not None) == (pool.transport == "shm")
@@ -139,7 +134,9 @@ def test_a_restarted_node_republishes_and_serves_its_disk_blocks(pool, redis_ser
     put_chain(client, keys, data)
     # restored into the slab (memory entries that will be stale after the kill), still on disk
     assert torch.equal(client.get("g", head_on_disk(client, keys)), data[:HEAD])
-    wait_for(lambda: all(loc.slot != DISK_SLOT for loc in client.lookup_prefix(keys[:HEAD])))
+    wait_for(
+        lambda: all(loc.slot != DISK_SLOT for loc in client.lookup_prefix(keys[:HEAD])), 20, "restored blocks"
+    )
     old_addr = client.refresh()["d0"]["addr"]
     client.close()
     pool.kill()
@@ -172,7 +169,7 @@ def test_a_damaged_file_is_a_miss_and_is_dropped(pool):
     assert s.disk_corrupt == 1 and s.disk_hits == bad
     assert not path.exists()
     entry = f"{client.meta.prefix}d:{keys[bad].hex()}"
-    wait_for(lambda: client.meta.client.get(entry) is None)
+    wait_for(lambda: client.meta.client.get(entry) is None, 20, "the entry to go")
     assert len(client.lookup_prefix(keys[:HEAD])) == bad
 
 

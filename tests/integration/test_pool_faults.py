@@ -11,24 +11,22 @@ import time
 
 import pytest
 import torch
-from cluster_helpers import Members, wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import ENGINE, Members, greedy, make_cluster_config, wait_for
 
-from kvferry.deploy.config import PoolSettings, RestartSettings, WorkerGroupSettings
+from kvferry.deploy.config import PoolConfig, RestartSettings, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.client import PoolClient, PoolError, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.kvpool.node import PoolNodeConfig
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.proc import die_with_parent
-from kvferry.router.client import Client, build_request
+from kvferry.router.client import Client
 
 pytestmark = pytest.mark.slow
 
 LAYOUT = BlockLayout(2, 4, 16, 8, "float32")
 TIMEOUT_S = 2.0  # the transfer timeout of the node and the clients here
-TTL_S = PoolNodeConfig.ttl_s
+TTL_S = PoolConfig.ttl_s
 
 
 def start_node(redis_url: str, namespace: str, log_path, *extra: str) -> subprocess.Popen:
@@ -160,10 +158,6 @@ def test_a_whole_tp_put_is_answered_while_others_wait_for_slices_that_never_come
             c.close()
 
 
-def greedy(ids, **kw):
-    return build_request(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True, **kw)
-
-
 def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_model_dir, tmp_path):
     """Two pool nodes, two decode workers: the node holding a prompt's blocks hangs, a decode worker
     that never saw the prompt pulls from it (through the shared slab, on this host: served without
@@ -173,7 +167,7 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
         tiny_model_dir,
         redis_server.url,
         "test-pool-faults",
-        pool=PoolSettings(nodes=2, memory_gib=0.1),
+        pool=PoolConfig(nodes=2, memory_gib=0.1),
         decode=WorkerGroupSettings(replicas=2, engine=ENGINE),
         # the killed node stays down: restarted under its id it would be live again at once, and its
         # old entries would stay until a read found them stale (test_launcher_restarts covers that)
@@ -189,7 +183,7 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
             return sum(s.pool_hit_tokens for s in stats), sum(s.recomputed_tokens for s in stats)
 
         prompt = torch.randint(3, 8192, (48,), generator=torch.Generator().manual_seed(5)).tolist()
-        expected = api.generate(greedy(prompt), timeout=60)  # decode worker A pulls the 3 blocks
+        expected = api.generate(greedy(prompt, 8), timeout=60)  # decode worker A pulls the 3 blocks
         assert decode_totals() == (48, 0)
         keys = block_keys(prompt, 16, bytes.fromhex(api.model_info().fingerprint))
         (holder,) = {loc.node_id for loc in wait_for(lambda: meta.lookup_prefix(keys), 10, "publishing")}
@@ -199,7 +193,7 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
             node.send_signal(signal.SIGSTOP)
             # the next request goes to decode worker B (round robin), which must pull from the hung node
             start = time.monotonic()
-            hung = api.generate(greedy(prompt), timeout=120)
+            hung = api.generate(greedy(prompt, 8), timeout=120)
             elapsed = time.monotonic() - start
             assert hung.token_ids == expected.token_ids
             # B is on the node's host: it reads the blocks from the node's shared slab, which needs no
@@ -210,7 +204,7 @@ def test_cluster_survives_a_pool_node_that_hangs_then_dies(redis_server, tiny_mo
             node.kill()  # kill -9 (also when the test failed while the node was stopped)
         node.wait(10)
         wait_for(lambda: meta.lookup_prefix(keys) == [], TTL_S + 3, "the dead node's entries to go")
-        fresh = api.generate(greedy(prompt), timeout=60)  # served; its blocks written to the live node
+        fresh = api.generate(greedy(prompt, 8), timeout=60)  # served; its blocks written to the live node
         assert fresh.token_ids == expected.token_ids
         hits = wait_for(lambda: meta.lookup_prefix(keys), 10, "the blocks on the live node")
         assert len(hits) == 3 and {loc.node_id for loc in hits} != {holder}

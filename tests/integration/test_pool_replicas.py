@@ -10,23 +10,21 @@ import sys
 
 import pytest
 import torch
-from cluster_helpers import Members, wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import ENGINE, Members, greedy, make_cluster_config, wait_for
 
-from kvferry.deploy.config import PoolSettings, RestartSettings, RouterSettings, WorkerGroupSettings
+from kvferry.deploy.config import PoolConfig, RestartSettings, RouterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.client import PoolClient, from_proto, to_proto, wait_for_nodes
 from kvferry.kvpool.metadata import DISK_SLOT, Location, MetadataStore
-from kvferry.kvpool.node import PoolNodeConfig
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.proc import die_with_parent
-from kvferry.router.client import Client, build_request
+from kvferry.router.client import Client
 from kvferry.v1 import pool_pb2
 
 LAYOUT = BlockLayout(2, 4, 16, 8, "float32")
 TIMEOUT_S = 2.0
-TTL_S = PoolNodeConfig.ttl_s
+TTL_S = PoolConfig.ttl_s
 
 
 def test_a_key_keeps_one_copy_per_node(redis_server):
@@ -171,10 +169,6 @@ def test_hot_blocks_are_copied_to_another_node(redis_server, tmp_path):
         pool.close()
 
 
-def greedy(ids):
-    return build_request(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
 @pytest.mark.slow
 def test_cluster_keeps_its_prefix_hits_when_a_replica_node_dies(redis_server, tiny_model_dir, tmp_path):
     """pool.replicas 2 on two nodes: every block of a prompt has a copy on each. Kill -9 one node (left
@@ -185,20 +179,20 @@ def test_cluster_keeps_its_prefix_hits_when_a_replica_node_dies(redis_server, ti
         tiny_model_dir,
         redis_server.url,
         "test-pool-replicas",
-        pool=PoolSettings(nodes=2, memory_gib=0.1, replicas=2),
+        pool=PoolConfig(nodes=2, memory_gib=0.1, replicas=2),
         prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
         decode=WorkerGroupSettings(replicas=2, engine=ENGINE),
         restarts=RestartSettings(max=0),
         # round robin over the idle prefill workers: the one that never saw the prompt gets one of the
         # two requests after the kill (KV-aware routing would send both to the worker that did)
-        router=RouterSettings(port=0, http_port=0, routing="least-load"),
+        router=RouterConfig(port=0, http_port=0, routing="least-load"),
     )
     with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as api:
         meta = MetadataStore(cluster.redis_url, cfg.namespace)
         members = Members(cluster)
         try:
             prompt = torch.randint(3, 8192, (64,), generator=torch.Generator().manual_seed(7)).tolist()
-            expected = api.generate(greedy(prompt), timeout=60)
+            expected = api.generate(greedy(prompt, 8), timeout=60)
             keys = block_keys(prompt, 16, bytes.fromhex(api.model_info().fingerprint))
 
             def on_both() -> list:  # each node publishes its own copy, in its own time
@@ -218,7 +212,7 @@ def test_cluster_keeps_its_prefix_hits_when_a_replica_node_dies(redis_server, ti
 
             prefill_hits, pulled = totals("prefill", "pool_hit_tokens"), totals("decode", "pool_hit_tokens")
             for _ in range(2):  # both prefill and both decode workers (round robin)
-                again = api.generate(greedy(prompt), timeout=60)
+                again = api.generate(greedy(prompt, 8), timeout=60)
                 assert again.token_ids == expected.token_ids
             assert totals("prefill", "pool_hit_tokens") - prefill_hits >= 48  # the prefix, from the pool
             assert totals("decode", "pool_hit_tokens") - pulled >= 64  # the new decode worker: all of it

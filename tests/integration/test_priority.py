@@ -6,44 +6,20 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
-from cluster_helpers import metric, wait_for
-from conftest import ENGINE, make_cluster_config
-from test_cluster import greedy, random_prompt
+from cluster_helpers import ENGINE, greedy, metric, post, random_prompt, wait_for
 
 from kvferry.deploy.config import WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster
 from kvferry.router.client import Client
 
-pytestmark = pytest.mark.slow
+# a shared cluster of conftest's (this module is its only user): a decode worker that seats one stream
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shared_cluster(decode=WorkerGroupSettings(replicas=1, engine={**ENGINE, "max_num_seqs": 1})),
+]
 
 LONG = 1000  # tokens of the low-priority stream: ~0.6 s of decode, so the urgent request lands inside it
-
-
-@pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = make_cluster_config(
-        tiny_model_dir,
-        redis_server.url,
-        "test-priority",
-        decode=WorkerGroupSettings(replicas=1, engine={**ENGINE, "max_num_seqs": 1}),
-    )
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("priority-logs"), quiet=True) as c:
-        yield c
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_a_higher_priority_request_preempts_and_finishes_first_with_exact_outputs(
@@ -53,6 +29,7 @@ def test_a_higher_priority_request_preempts_and_finishes_first_with_exact_output
     (want_low,) = hf_greedy(tiny_model_dir, [low_ids], LONG)
     (want_urgent,) = hf_greedy(tiny_model_dir, [urgent_ids], 8)
     order: list[str] = []
+    preempted = metric(cluster, "kvferry:num_preemptions_total", reason="priority")
     with Client(cluster.router_addr) as client:
         low = greedy(low_ids, LONG, request_id="prio-low")
         low.priority = 5
@@ -85,7 +62,7 @@ def test_a_higher_priority_request_preempts_and_finishes_first_with_exact_output
     assert order == ["urgent", "low"], "the urgent request waited for the low-priority stream"
     assert got_low == want_low  # preempted, recomputed, and still exact
     wait_for(
-        lambda: metric(cluster, "kvferry:num_preemptions_total", reason="priority") >= 1,
+        lambda: metric(cluster, "kvferry:num_preemptions_total", reason="priority") >= preempted + 1,
         30,
         "/metrics to count the priority preemption",
     )

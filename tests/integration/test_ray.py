@@ -12,23 +12,21 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 import ray
-from conftest import ENGINE
+from cluster_helpers import ENGINE, greedy, metric, random_prompt, wait_for
 from ray.cluster_utils import Cluster
-from test_cluster import greedy, random_prompt, wait_for
 
 from kvferry.deploy import ray_launch
 from kvferry.deploy.config import (
     ClusterConfig,
-    PoolSettings,
+    PoolConfig,
     RaySettings,
-    RouterSettings,
+    RouterConfig,
     WorkerGroupSettings,
 )
 from kvferry.deploy.planner import AutoscaleSettings
@@ -64,8 +62,8 @@ def kv(ray_nodes, tiny_model_dir, tmp_path_factory):
         model=str(tiny_model_dir),
         dtype="float32",
         namespace="test-ray",
-        router=RouterSettings(port=0, http_port=0),
-        pool=PoolSettings(memory_gib=0.1),
+        router=RouterConfig(port=0, http_port=0),
+        pool=PoolConfig(memory_gib=0.1),
         prefill=WorkerGroupSettings(
             engine={**ENGINE, "tensor_parallel_size": 2}, resources={"CPU": 1, "prefill_node": 1}
         ),
@@ -128,6 +126,7 @@ def test_greedy_tokens_equal_the_reference(client, prompts, reference):
     assert got == reference
 
 
+@pytest.mark.timeout(600)  # each scale may take up to 300 s
 def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_factory):
     ctrl, status = kv
     results: dict[int, object] = {}
@@ -213,6 +212,7 @@ def test_killing_a_decode_actor_fails_its_requests_cleanly_then_it_serves_again(
     assert units(ctrl)["decode-0"]["restarts"] == 1
 
 
+@pytest.mark.timeout(600)  # `kvferry up --ray` has 300 s
 def test_cli_up_ray_answers_a_prompt_and_takes_everything_down(ray_nodes, tiny_model_dir, tmp_path):
     """`kvferry up --ray --address ... --prompt`: the operator's command, end to end."""
     config = tmp_path / "cluster.yaml"
@@ -267,6 +267,7 @@ def test_cli_scale_without_counts_reports_the_running_cluster(kv):
     assert missing.returncode == 2 and "no kvferry cluster with namespace 'nope'" in missing.stderr
 
 
+@pytest.mark.timeout(600)  # 180 s for the planner's scale-up, 120 s more for /metrics to count it
 def test_the_planner_scales_a_ray_cluster_through_the_controller(ray_nodes, tiny_model_dir, tmp_path):
     """`kvferry up --ray --autoscale`: the controller runs the planner; under load it adds a prefill group
     (a decision in the controller's events and the router's /metrics), and the cluster serves on."""
@@ -274,8 +275,8 @@ def test_the_planner_scales_a_ray_cluster_through_the_controller(ray_nodes, tiny
         model=str(tiny_model_dir),
         dtype="float32",
         namespace="test-ray-plan",
-        router=RouterSettings(port=0, http_port=0),
-        pool=PoolSettings(memory_gib=0.1, per_ray_node=False, nodes=1),
+        router=RouterConfig(port=0, http_port=0),
+        pool=PoolConfig(memory_gib=0.1, per_ray_node=False, nodes=1),
         prefill=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "prefill_node": 1}),
         decode=WorkerGroupSettings(engine=ENGINE, resources={"CPU": 1, "decode_node": 1}),
         # utilization 0.001: any load needs a second prefill group
@@ -300,14 +301,8 @@ def test_the_planner_scales_a_ray_cluster_through_the_controller(ray_nodes, tiny
             assert "planner: on" in events and "planner: prefill 1 -> 2" in events
 
             def decisions_up() -> float:  # counted once the scale is done and the router read it
-                with urllib.request.urlopen(status["http"] + "/metrics", timeout=10) as reply:
-                    lines = reply.read().decode().splitlines()
-                return sum(
-                    float(line.rsplit(" ", 1)[1])
-                    for line in lines
-                    if line.startswith("kvferry:planner_decisions_total{")
-                    and 'role="prefill"' in line
-                    and 'direction="up"' in line
+                return metric(
+                    status["http"], "kvferry:planner_decisions_total", role="prefill", direction="up"
                 )
 
             wait_for(lambda: decisions_up() >= 1, 120, "/metrics to count the planner's scale-up")

@@ -1,7 +1,7 @@
 """The router's public face in a real cluster: API keys (gRPC metadata and HTTP header), TLS on both
 ports with a certificate made here, the default deadline of a request whose client sets none, and a
 model name that shows no filesystem path. The routers under test are extra router processes started
-here against the cluster's registry (the launcher's own router stays plain)."""
+here against the registry of conftest's shared `cluster` (the launcher's own router stays plain)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,11 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import wait_for
-from conftest import make_cluster_config
 
-from kvferry.deploy.local import LocalCluster
 from kvferry.proc import free_port, terminate
 from kvferry.router.client import Client, build_request
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster()]
 
 KEY, ENV_KEY = "key-from-flag", "key-from-env"
 
@@ -76,13 +74,6 @@ def self_signed(directory) -> tuple[str, str]:
         )
     )
     return str(cert_path), str(key_path)
-
-
-@pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-router-auth")
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("auth-logs"), quiet=True) as c:
-        yield c
 
 
 class ExtraRouter:

@@ -5,13 +5,10 @@ resumes on the other decode worker with no token lost or repeated, equal to an u
 from __future__ import annotations
 
 import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
-from cluster_helpers import wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import ENGINE, greedy, make_cluster_config, metric, random_prompt, wait_for
 
 from kvferry.deploy.config import WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
@@ -56,24 +53,9 @@ def decoding(cluster, request_id: str) -> list[str]:
     return holding
 
 
-def greedy(ids, max_tokens, **kw):
-    return build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def random_prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def failovers(cluster, role: str) -> float:
     """kvferry:worker_failovers_total of `role`, summed over codes."""
-    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    prefix = "kvferry:worker_failovers_total{"
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(prefix) and f'role="{role}"' in line
-    )
+    return metric(cluster, "kvferry:worker_failovers_total", role=role)
 
 
 def kill(cluster, role: str, member_id: str) -> None:

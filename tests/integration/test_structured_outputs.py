@@ -1,7 +1,8 @@
 """Structured outputs (llguidance) through a disaggregated cluster, driven by clients nobody here wrote:
 the openai SDK's `chat.completions.parse` with a pydantic model, vLLM's structured-output fields, tool
 calls forced by tool_choice, and the gRPC API. The constraint's state crosses the prefill -> decode
-hand-off (the decode worker replays the first token), so every output that parses proves it."""
+hand-off (the decode worker replays the first token), so every output that parses proves it. (conftest's
+shared `cluster`, which serves the model under its directory's name.)"""
 
 from __future__ import annotations
 
@@ -14,29 +15,18 @@ import grpc
 import openai
 import pydantic
 import pytest
-from conftest import make_cluster_config
-from test_openai_api import post
+from cluster_helpers import post
 
-from kvferry.deploy.local import LocalCluster
 from kvferry.router.client import Client, build_request
 
-pytestmark = pytest.mark.slow
-
-NAME = "kvferry-tiny"
+pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster()]
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model_dir, tmp_path_factory):
-    from kvferry.deploy.config import RouterSettings
-
-    cfg = make_cluster_config(
-        tiny_model_dir,
-        redis_server.url,
-        "test-structured",
-        router=RouterSettings(port=0, http_port=0, served_model_name=NAME),
-    )
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("structured-logs"), quiet=True) as c:
-        yield c
+def name(api) -> str:
+    """The name the cluster serves the model under."""
+    (model,) = api.models.list().data
+    return model.id
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +41,10 @@ class Person(pydantic.BaseModel):
     pets: list[Annotated[str, pydantic.Field(max_length=8)]] = pydantic.Field(max_length=3)
 
 
-def test_openai_sdk_parse_returns_the_pydantic_object(api):
+def test_openai_sdk_parse_returns_the_pydantic_object(api, name):
     for seed in range(4):
         out = api.chat.completions.parse(
-            model=NAME,
+            model=name,
             messages=[{"role": "user", "content": "Describe a person as JSON."}],
             response_format=Person,
             max_tokens=200,
@@ -66,10 +56,10 @@ def test_openai_sdk_parse_returns_the_pydantic_object(api):
         assert out.choices[0].finish_reason == "stop"  # the grammar completed the output
 
 
-def sample_many(api, n: int, **extra_body) -> list[str]:
+def sample_many(api, name: str, n: int, **extra_body) -> list[str]:
     def one(seed: int) -> str:
         out = api.completions.create(
-            model=NAME, prompt="Answer:", max_tokens=40, temperature=1.0, seed=seed, extra_body=extra_body
+            model=name, prompt="Answer:", max_tokens=40, temperature=1.0, seed=seed, extra_body=extra_body
         )
         return out.choices[0].text
 
@@ -77,20 +67,20 @@ def sample_many(api, n: int, **extra_body) -> list[str]:
         return list(pool.map(one, range(n)))
 
 
-def test_a_regex_and_a_choice_hold_on_100_sampled_completions(api):
+def test_a_regex_and_a_choice_hold_on_100_sampled_completions(api, name):
     pattern = r"[A-Z][a-z]{2,8} [0-9]{3}"
-    texts = sample_many(api, 100, structured_outputs={"regex": pattern})
+    texts = sample_many(api, name, 100, structured_outputs={"regex": pattern})
     assert all(re.fullmatch(pattern, t) for t in texts), [t for t in texts if not re.fullmatch(pattern, t)]
     assert len(set(texts)) > 50  # sampled, not one answer
     choices = ["positive", "negative", "neutral"]
-    picked = sample_many(api, 100, guided_choice=choices)
+    picked = sample_many(api, name, 100, guided_choice=choices)
     assert set(picked) <= set(choices) and len(set(picked)) >= 2
 
 
-def test_every_spelling_of_a_constraint(api, cluster):
+def test_every_spelling_of_a_constraint(api, name, cluster):
     def text(**extra) -> str:
         out = api.completions.create(
-            model=NAME, prompt="x", max_tokens=60, temperature=0.7, seed=1, extra_body=extra
+            model=name, prompt="x", max_tokens=60, temperature=0.7, seed=1, extra_body=extra
         )
         return out.choices[0].text
 
@@ -153,10 +143,10 @@ TIME = {
 }
 
 
-def test_tool_choice_named_and_required(api):
+def test_tool_choice_named_and_required(api, name):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     out = api.chat.completions.create(
-        model=NAME,
+        model=name,
         messages=messages,
         tools=[WEATHER, TIME],
         max_tokens=60,
@@ -170,7 +160,7 @@ def test_tool_choice_named_and_required(api):
         "days",
     }
     streamed = api.chat.completions.create(
-        model=NAME,
+        model=name,
         messages=messages,
         tools=[WEATHER, TIME],
         max_tokens=60,
@@ -191,7 +181,7 @@ def test_tool_choice_named_and_required(api):
     finished = 0
     for seed in range(6):
         out = api.chat.completions.create(
-            model=NAME,
+            model=name,
             messages=messages,
             tools=[WEATHER, TIME],
             tool_choice="required",
@@ -210,7 +200,7 @@ def test_tool_choice_named_and_required(api):
             assert isinstance(json.loads(call.function.arguments), dict)
     assert finished >= 1
     with pytest.raises(openai.BadRequestError, match="tool_choice=auto"):
-        api.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=5)
+        api.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=5)
 
 
 def test_grpc_structured_output_and_its_refusal(cluster):

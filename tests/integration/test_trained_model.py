@@ -21,9 +21,11 @@ def kvferry(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     return done
 
 
-def test_create_trained_then_eval(kvferry_cache):
-    made = kvferry("model", "create", "trained", timeout=1800)
-    model_dir = kvferry_cache / "models" / "trained"
+# the training (~300 s on 2 cores, the `trained_model` session fixture: it runs in the first test that asks
+# for it) and four evaluations (~10 s each)
+@pytest.mark.timeout(900)
+def test_create_trained_then_eval(trained_model):
+    made, model_dir = trained_model
     assert made.stdout.strip() == str(model_dir)
     assert "training" in made.stderr  # the progress bar
     record = json.loads((model_dir / "training.json").read_text())
@@ -50,7 +52,8 @@ def test_create_trained_then_eval(kvferry_cache):
     assert kv_int8["perplexity"] == pytest.approx(trained["perplexity"], rel=0.01), (kv_int8, trained)
 
 
-def test_draft_model_proposes_for_the_trained_model(kvferry_cache):
+@pytest.mark.timeout(900)  # the draft's training (~110 s), and the trained model's when it runs first
+def test_draft_model_proposes_for_the_trained_model(kvferry_cache, trained_model):
     """`kvferry model create draft` trains the small draft model (minutes); as the trained model's draft it
     gets drafts accepted on held-out code, and the greedy output is the one without speculation."""
 
@@ -58,7 +61,6 @@ def test_draft_model_proposes_for_the_trained_model(kvferry_cache):
     from kvferry.engine.request import SamplingParams
     from kvferry.model.corpus import corpus_files
 
-    kvferry("model", "create", "trained", timeout=1800)  # made by the test above when run with it
     made = kvferry("model", "create", "draft", timeout=1800)
     record = json.loads((kvferry_cache / "models" / "draft" / "training.json").read_text())
     assert made.stdout.strip().endswith("draft") and record["heldout_loss"] < record["first_loss"] - 3

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cluster_helpers import wait_for
 
 from kvferry import rpc
 from kvferry.auth import SECRET_ENV
@@ -60,6 +60,7 @@ def scale(redis_url_file: Path, *counts: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.timeout(600)  # 180 s for the ready line, up to 300 s per `kvferry scale`
 def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(
         [
@@ -84,11 +85,12 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
         reader.start()
-        deadline = time.monotonic() + 180
-        while not any("ready" in line for line in lines):
+
+        def ready() -> bool:
             assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "no ready line"
-            time.sleep(0.1)
+            return any("ready" in line for line in lines)
+
+        wait_for(ready, 180, "the ready line")
         addr = next(line for line in lines if "ready" in line).split("router at ")[1].split()[0]
         children = descendants(proc.pid)
         assert len(children) >= 5  # redis, pool node, prefill, decode, router
@@ -130,10 +132,11 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
             with ThreadPoolExecutor(2) as pool:
                 last = [pool.submit(client.generate, longer, 120) for _ in range(2)]
                 meta = MetadataStore(redis_url, "default")
-                deadline = time.monotonic() + 30
-                while meta.members("decode").get("decode-0", {}).get("inflight", 0) < 2:
-                    assert time.monotonic() < deadline, "the requests never reached the decode worker"
-                    time.sleep(0.05)
+                wait_for(
+                    lambda: meta.members("decode").get("decode-0", {}).get("inflight", 0) >= 2,
+                    30,
+                    "the requests to reach the decode worker",
+                )
                 proc.send_signal(signal.SIGTERM)
                 assert [f.result().finished.output_tokens for f in last] == [1500, 1500]
         assert proc.wait(60) == 0
@@ -143,10 +146,7 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
             proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
             proc.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "processes left behind"
+    wait_for(lambda: not [pid for pid in children if alive(pid)], 10, "no processes left behind")
     assert os.listdir(tmp_path / "logs")  # each component logged
     assert (
         not (tmp_path / "logs" / "redis-url").exists() and not (tmp_path / "logs" / "cluster-secret").exists()

@@ -8,8 +8,7 @@ import json
 import urllib.request
 
 import pytest
-from cluster_helpers import kvferry_up
-from test_openai_api import post
+from cluster_helpers import kvferry_up, post
 
 from kvferry.model.tokenizer import Tokenizer
 

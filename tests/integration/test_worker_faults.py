@@ -10,33 +10,23 @@ import time
 import grpc
 import pytest
 import torch
-from cluster_helpers import wait_for
-from conftest import ENGINE, make_cluster_config
+from cluster_helpers import ENGINE, wait_for
 
 from kvferry.deploy.config import WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.rpc import aio_channel, channel
 from kvferry.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-
-pytestmark = pytest.mark.slow
 
 STREAMS = 300
 STREAM_TOKENS = 200
 # one decode worker that batches every stream at once: 300 x (8 + 200 tokens) needs 13 blocks each
 DECODE_ENGINE = {**ENGINE, "max_num_seqs": 320, "num_kv_blocks": 4400}
 
-
-@pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model_dir, tmp_path_factory):
-    cfg = make_cluster_config(
-        tiny_model_dir,
-        redis_server.url,
-        "test-worker-faults",
-        decode=WorkerGroupSettings(replicas=1, engine=DECODE_ENGINE),
-    )
-    with LocalCluster(cfg, log_dir=tmp_path_factory.mktemp("cluster-logs"), quiet=True) as c:
-        yield c
+# a shared cluster of conftest's (this module is its only user), its decode worker called directly
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.shared_cluster(decode=WorkerGroupSettings(replicas=1, engine=DECODE_ENGINE)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +122,7 @@ async def _many_streams(addr: str) -> dict:
         return {"results": results, "second_token": second_token, "unary_s": unary_s, "held": held_then}
 
 
+@pytest.mark.timeout(600)  # its streams have 300 s each: they give the telling failure first
 def test_one_decode_worker_serves_300_streams_and_still_answers_unary_calls(decode_addr):
     out = asyncio.run(_many_streams(decode_addr))
     assert len(out["results"]) == STREAMS

@@ -11,6 +11,7 @@ from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.loader import load_model
+from kvferry.model.quant import w8a8_linear as reference_w8a8
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -246,10 +247,20 @@ def test_speculative_ngram_greedy_matches_transformers(checkpoint, prompts, refe
     assert engine.spec_proposed > 0 and 0 < engine.spec_accepted <= engine.spec_proposed
 
 
-def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts):
+def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts, monkeypatch):
     """`--quantization int8`: the C++ kernels (VNNI or AVX2 int8 loop) and the torch W8A8 reference give the
-    same greedy tokens, batched, chunked and after prefix hits; the KV fingerprint keeps int8 apart."""
+    same greedy tokens, batched, chunked and after prefix hits; the KV fingerprint keeps int8 apart.
+
+    TRITON_INTERPRET (on for this session, for the Triton tests) is off here: under it `--kernels torch`
+    int8 layers run the Triton W8A8 kernel in the interpreter (`layers.int8_linear`; over a minute per
+    checkpoint) instead of the torch reference this compares with. That kernel and that dispatch are
+    checked against the reference in tests/unit/test_triton_kernels.py."""
     from kvferry.kernels import cpu
+    from kvferry.model import quant
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch_path = []
+    monkeypatch.setattr(quant, "w8a8_linear", lambda *a: torch_path.append(1) or reference_w8a8(*a))
 
     outputs = []
     for kernels in ("auto", "torch"):
@@ -257,6 +268,7 @@ def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts)
         assert engine.cpu_kernels == (kernels == "auto" and cpu.load())
         outputs.append(run_all(engine, prompts, stagger=3))
     assert outputs[0] == outputs[1]
+    assert torch_path  # the torch engine's int8 layers ran the torch reference
     assert engine.fingerprint != make_engine(checkpoint, kernels="torch").fingerprint
 
 

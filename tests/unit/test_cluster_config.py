@@ -17,8 +17,8 @@ from kvferry.deploy.config import (
     load_cluster_config,
 )
 from kvferry.deploy.local import worker_argv
-from kvferry.engine.args import add_engine_args, engine_config_from, engine_flags
 from kvferry.engine.engine import EngineConfig
+from kvferry.flags import add_config_args, config_flags, config_from
 
 
 def test_yaml_file_round_trip(tmp_path):
@@ -66,8 +66,8 @@ def test_bad_settings_are_named(raw, names):
 def test_engine_flags_parse_back_to_the_same_config():
     cfg = EngineConfig(model="tiny", dtype="float32", max_model_len=512, enable_prefix_caching=False, seed=3)
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_config_from(p.parse_args(engine_flags(cfg))) == cfg
+    add_config_args(p, EngineConfig)
+    assert config_from(p.parse_args(config_flags(cfg)), EngineConfig) == cfg
 
 
 def test_groups_of_different_degrees_and_the_degree_flags():
@@ -104,15 +104,14 @@ def test_degree_the_model_cannot_split_by_is_refused_before_launch(tiny_model_di
 
 def test_vllm_spelling_of_the_decode_group_degree():
     from kvferry.decode_worker.worker import ROLE
-    from kvferry.engine.args import engine_config_from
     from kvferry.worker.runtime import worker_parser
 
     flags = ["--redis-url", "redis://x", "--data-parallel-size", "2", "--enable-expert-parallel"]
     args = worker_parser(ROLE).parse_args(flags)
     assert (args.data_parallel_size, args.enable_expert_parallel, args.rank) == (2, True, None)
-    assert ROLE.engine_config(args, engine_config_from(args)).expert_parallel_size == 2
+    assert ROLE.engine_config(args, config_from(args, EngineConfig)).expert_parallel_size == 2
     with pytest.raises(SystemExit, match="needs --enable-expert-parallel"):
-        ROLE.engine_config(worker_parser(ROLE).parse_args(flags[:-1]), engine_config_from(args))
+        ROLE.engine_config(worker_parser(ROLE).parse_args(flags[:-1]), config_from(args, EngineConfig))
 
 
 def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_takes():
@@ -249,13 +248,14 @@ def test_router_routing_mode_reaches_its_command_and_is_checked():
 
 
 def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(tiny_model_dir):
-    from kvferry.deploy.config import PoolSettings, cluster_layout
+    from kvferry.deploy.config import cluster_layout
     from kvferry.deploy.local import pool_argv
+    from kvferry.kvpool.config import PoolConfig
     from kvferry.model.config import ModelConfig
 
     for bad in ({"disk_dir": "/x"}, {"disk_max_gib": 1.0}, {"disk_dir": "/x", "disk_max_gib": -1}):
         with pytest.raises(ClusterConfigError):
-            PoolSettings(**bad)
+            PoolConfig(**bad)
     cfg = cluster_config_from_dict({"pool": {"disk_dir": "/d", "disk_max_gib": 2}})
     layout = cluster_layout(cfg, ModelConfig.from_dir(tiny_model_dir))
     argv = pool_argv(cfg, layout, "pool-0", "127.0.0.1")
@@ -266,7 +266,6 @@ def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(ti
 
 def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path):
     from kvferry.deploy.local import router_argv
-    from kvferry.engine.args import engine_flags
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.3}')
     cfg = ClusterConfig().with_overrides(
@@ -284,7 +283,7 @@ def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path)
         engine = cfg.engine_config(role, 0)
         assert (engine.max_num_seqs, engine.max_model_len, engine.enable_prefix_caching) == (7, 512, False)
         assert engine.quantization == "int8"  # prefill and decode alike: their KV must be the same numerics
-        assert engine_flags(engine)[engine_flags(engine).index("--quantization") + 1] == "int8"
+        assert config_flags(engine)[config_flags(engine).index("--quantization") + 1] == "int8"
     argv = router_argv(cfg, "tiny", "127.0.0.1", 1, 2)
     assert argv[argv.index("--served-model-name") + 1] == "first" and argv.count("--served-model-name") == 2
     assert argv[argv.index("--generation-config") + 1] == str(tmp_path)

@@ -10,7 +10,12 @@ from kvferry.kernels.paged_attention import paged_decode_attention_reference
 from kvferry.model.layers import apply_rotary, linear, pack, rms_norm
 from kvferry.model.moe import experts_forward
 
-pytestmark = pytest.mark.skipif(not cpu.load(), reason="the CPU kernels do not build or run here")
+pytestmark = [
+    pytest.mark.skipif(not cpu.load(), reason="the CPU kernels do not build or run here"),
+    # the kernels with torch's own thread count (the other unit tests run on one: tests/unit/conftest.py)
+    pytest.mark.usefixtures("all_torch_threads"),
+]
+
 GEN = torch.Generator().manual_seed(0)
 
 
@@ -191,19 +196,13 @@ def test_bf16_dot_moe_experts(tokens, first):
 
 
 @bf16_dot
-def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir):
+def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir, make_engine):
     """--dtype bfloat16 on an AVX512-BF16 CPU: the kernels serve with bf16 matmuls and a float32 KV cache,
     under a fingerprint of its own, and its logits stay close to float32 arithmetic on the bf16 weights."""
-    from kvferry.engine.engine import EngineConfig, LLMEngine
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
-    engine = LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
-    )
-    fp32 = LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    )
+    engine, fp32 = make_engine(dtype="bfloat16"), make_engine(dtype="float32")
     assert engine.cpu_kernels and engine.dtype == torch.bfloat16 and engine.kv_dtype == torch.float32
     assert engine.runner.kv_cache.dtype == torch.float32
     assert engine.fingerprint != fp32.fingerprint
@@ -269,17 +268,14 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, dtype):
+def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, make_engine, dtype):
     """The launcher sizes the pool's blocks by the same rule the engine picks its KV dtype with (float32
     under the CPU kernels, also for a bf16 model): otherwise every KV write-out is refused."""
     from kvferry.deploy.config import ClusterConfig
     from kvferry.deploy.local import cluster_layout
-    from kvferry.engine.engine import EngineConfig, LLMEngine
 
     layout = cluster_layout(ClusterConfig(model=str(tiny_model_dir), dtype=dtype), tiny_model_dir)
-    engine = LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16, max_model_len=256)
-    )
+    engine = make_engine(dtype=dtype, num_kv_blocks=16)
     assert layout.torch_dtype == engine.kv_dtype == engine.runner.kv_cache.dtype
 
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvferry.deploy.fault_harness import wait_for
 from kvferry.engine.loop import EngineLoop, EngineStopped, Progress
 
 
@@ -33,9 +34,7 @@ def test_failed_step_is_reported_and_the_loop_goes_on():
     errors, outputs = [], []
     loop = EngineLoop(engine, outputs.extend, on_error=errors.append)
     loop.start()
-    deadline = time.monotonic() + 10
-    while not (engine.pending == 0 and outputs) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: engine.pending == 0 and outputs, 10, "both steps")
     ran = threading.Event()
     loop.submit(ran.set)  # still takes work after the failure
     assert ran.wait(10)
@@ -69,12 +68,9 @@ def run_loop(engine, **kwargs) -> EngineLoop:
     """Run an EngineLoop over `engine` until it has no work left; the stopped loop."""
     loop = EngineLoop(engine, lambda outputs: None, **kwargs)
     loop.start()
-    deadline = time.monotonic() + 10
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: not engine.has_unfinished(), 10, "every step")
     loop.stop()
     loop.join(10)
-    assert not engine.has_unfinished()
     return loop
 
 
@@ -168,20 +164,12 @@ def test_a_loop_blocked_in_its_work_stops_making_progress():
     release = threading.Event()
     try:
         started = loop.progress.last
-        deadline = time.monotonic() + 10
-        while loop.progress.last == started and time.monotonic() < deadline:  # a few idle iterations
-            time.sleep(0.01)
+        wait_for(lambda: loop.progress.last != started, 10, "an idle iteration")
         assert not loop.progress.stalled(0.5)  # idle: iterates every idle wait
         loop.submit(lambda: release.wait(10))  # the engine thread hangs in its work
-        deadline = time.monotonic() + 10
-        while not loop.progress.stalled(0.5) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert loop.progress.stalled(0.5)
+        wait_for(lambda: loop.progress.stalled(0.5), 10, "a stall")
         release.set()
-        deadline = time.monotonic() + 10
-        while loop.progress.stalled(0.5) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not loop.progress.stalled(0.5)  # progress resumed
+        wait_for(lambda: not loop.progress.stalled(0.5), 10, "progress to resume")
     finally:
         release.set()
         loop.stop()

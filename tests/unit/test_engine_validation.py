@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 
 from kvferry.cli import sampling_params_from
-from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
+from kvferry.engine.engine import EngineConfig, EngineConfigError
 from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.config import generation_eos_ids
 
@@ -16,10 +16,8 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=64, num_kv_blocks=16)
-    )
+def engine(make_engine):
+    return make_engine(max_model_len=64, num_kv_blocks=16)
 
 
 @pytest.mark.parametrize(

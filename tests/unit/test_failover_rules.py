@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.engine import LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.router.directory import Directory, Member
 from kvferry.router.failover import pick_excluding, relay_code, resume_request, retryable
@@ -98,10 +98,8 @@ def test_resumed_request_fields():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
-    )
+def engine(make_engine):
+    return make_engine()
 
 
 def run(engine: LLMEngine, request_id: str) -> list[int]:

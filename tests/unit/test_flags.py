@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, fields, replace
 import pytest
 
 from kvferry.flags import add_config_args, config_flags, config_from
-from kvferry.kvpool.node import PoolNodeConfig
-from kvferry.router.server import RouterConfig
+from kvferry.kvpool.config import PoolConfig
+from kvferry.router.config import RouterConfig
 
 
 @dataclass(frozen=True)
@@ -48,20 +48,26 @@ def test_defaults_types_and_the_round_trip():
         parse(Sample, ["--count", "many"])  # types hold
 
 
-@pytest.mark.parametrize("cls", [RouterConfig, PoolNodeConfig])
+@pytest.mark.parametrize("cls", [RouterConfig, PoolConfig])
 def test_the_router_and_pool_node_configs_round_trip(cls):
-    skip = {"redis_url"}  # its flag comes from add_redis_url_arg (the environment's URL by default)
+    # redis_url's flag comes from add_redis_url_arg (the environment's URL by default): never spelled
     changed = {}
     for f in fields(cls):
         value = getattr(cls(), f.name)
-        if f.name in skip:
+        if f.name == "redis_url" or f.metadata.get("cluster"):  # not a flag of the process
             continue
         if isinstance(value, bool):
             changed[f.name] = not value
         elif isinstance(value, (int, float)) and f.name != "http_port":
             changed[f.name] = value + 1
+    if cls is PoolConfig:
+        changed |= {"disk_dir": "/d", "num_slots": 64, "reserve_ttl_s": 99.0}  # None by default: given here
     config = replace(cls(), **changed)
-    assert config_from(parse(cls, config_flags(config, skip), skip), cls) == config
+    assert config_from(parse(cls, config_flags(config)), cls) == config
+    if cls is RouterConfig:  # None = off has a flag of its own
+        off = replace(config, http_port=None)
+        assert "--no-http" in config_flags(off)
+        assert config_from(parse(cls, config_flags(off)), cls) == off
 
 
 def test_the_router_event_loop_flag():

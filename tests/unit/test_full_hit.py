@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.engine import LLMEngine
 from kvferry.engine.request import SamplingParams
 from kvferry.kvpool.metadata import Location
 from kvferry.kvpool.transfer import pack_blocks, unpack_blocks
@@ -40,11 +40,6 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, prompts, hf_greedy) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
-
-
-def make_engine(model_dir, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=BS)
-    return LLMEngine(EngineConfig(**(cfg | overrides)))
 
 
 def record_prompt_work(engine: LLMEngine) -> dict[str, int]:
@@ -80,8 +75,8 @@ def cached_blocks(engine: LLMEngine, ids: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_identical_repeat_on_the_engine(tiny_model_dir, prompts, reference, kernels):
-    engine = make_engine(tiny_model_dir, kernels=kernels)
+def test_identical_repeat_on_the_engine(make_engine, prompts, reference, kernels):
+    engine = make_engine(block_size=BS, kernels=kernels)
     computed = record_prompt_work(engine)
     sink = engine.runner.kv_cache[:, :, :, engine.runner.sink_block]
     assert generate(engine, *prompts) == reference
@@ -99,9 +94,9 @@ def test_identical_repeat_on_the_engine(tiny_model_dir, prompts, reference, kern
     assert engine.block_manager.hits - hits_before == sum(n - tail_tokens(n) for n in LENGTHS)
 
 
-def test_identical_repeats_in_one_batch(tiny_model_dir, prompts, reference):
+def test_identical_repeats_in_one_batch(make_engine, prompts, reference):
     """Several full hits in one step write the same sink slot; none reads it."""
-    engine = make_engine(tiny_model_dir)
+    engine = make_engine(block_size=BS)
     long, long_ref = prompts[0], reference[0]
     assert generate(engine, long) == [long_ref]
     computed = record_prompt_work(engine)
@@ -170,9 +165,9 @@ def prefill(worker: PrefillWorker, ids: list[int], rid: str) -> worker_pb2.Prefi
     return job.future.result(timeout=120)
 
 
-def test_identical_repeat_through_the_prefill_worker(tiny_model_dir, prompts, reference):
+def test_identical_repeat_through_the_prefill_worker(make_engine, prompts, reference):
     pool = FakePool()
-    workers = [PrefillWorker(make_engine(tiny_model_dir), pool, f"prefill-{i}") for i in range(2)]
+    workers = [PrefillWorker(make_engine(block_size=BS), pool, f"prefill-{i}") for i in range(2)]
     for w in workers:
         w.start()
     try:
@@ -223,13 +218,11 @@ class FailingLayerPool(FakePool):
 
 
 @pytest.mark.parametrize("pool_cls", [FakePool, FailingLayerPool], ids=["streamed", "stream-fails"])
-def test_layer_streaming_stores_every_block_or_answers_without_it(
-    tiny_model_dir, prompts, reference, pool_cls
-):
+def test_layer_streaming_stores_every_block_or_answers_without_it(make_engine, prompts, reference, pool_cls):
     """Streaming on (chunks of 32 tokens): every full block reaches the pool layer by layer, bit-exact
     with the cache; a failing stream never fails the prefill: it is answered, without those blocks."""
     pool = pool_cls()
-    worker = PrefillWorker(make_engine(tiny_model_dir, max_num_batched_tokens=32), pool, "prefill-s")
+    worker = PrefillWorker(make_engine(block_size=BS, max_num_batched_tokens=32), pool, "prefill-s")
     worker.stream_layers("on")
     worker.start()
     try:

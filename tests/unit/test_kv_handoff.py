@@ -8,16 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.engine.engine import LLMEngine
 from kvferry.engine.request import RequestStatus, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture()
-def engine(tiny_model_dir):
-    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
-    return LLMEngine(cfg, detokenize=False)
+def engine(make_engine):
+    return make_engine(detokenize=False)
 
 
 def prompt(seed: int, n: int = 40) -> list[int]:

@@ -15,7 +15,6 @@ from kvferry.deploy.config import (
     ClusterConfig,
     ClusterConfigError,
     RestartSettings,
-    RouterSettings,
     cluster_config_from_dict,
     cluster_config_to_dict,
 )
@@ -23,6 +22,7 @@ from kvferry.deploy.local import LocalCluster, pool_argv, router_argv, worker_ar
 from kvferry.deploy.redis_server import redis_server_argv, write_private, write_redis_config
 from kvferry.deploy.restarts import RestartBudget
 from kvferry.kvpool.metadata import REDIS_URL_ENV, add_redis_url_arg, mask_url
+from kvferry.router.config import RouterConfig
 from kvferry.settings import API_KEY_ENV
 
 
@@ -38,7 +38,7 @@ def test_only_the_router_takes_the_public_host():
 
 
 def test_router_security_settings_reach_its_command_but_keys_stay_out_of_it():
-    cfg = ClusterConfig().with_overrides(api_keys=("k1", "k2"), ssl_certfile="c.pem", ssl_keyfile="k.pem")
+    cfg = ClusterConfig().with_overrides(api_key=("k1", "k2"), ssl_certfile="c.pem", ssl_keyfile="k.pem")
     assert cfg.router.api_keys == ("k1", "k2")
     argv = router_argv(cfg, "tiny", "127.0.0.1", 5, None)
     assert argv[argv.index("--ssl-certfile") + 1] == "c.pem"
@@ -47,7 +47,7 @@ def test_router_security_settings_reach_its_command_but_keys_stay_out_of_it():
     assert "k1" not in repr(cfg)  # keys and the secret never land in a log line that prints the config
     assert "s3cret" not in repr(ClusterConfig(cluster_secret="s3cret"))
     with pytest.raises(ClusterConfigError, match="ssl_keyfile go together"):
-        ClusterConfig(router=RouterSettings(ssl_certfile="c.pem")).validate()
+        ClusterConfig(router=RouterConfig(ssl_certfile="c.pem")).validate()
 
 
 def test_security_and_restart_settings_survive_the_yaml_round_trip():

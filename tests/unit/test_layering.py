@@ -39,7 +39,8 @@ ALLOWED = {
     "decode_worker": {"worker", "engine", "model", "kvpool", "kvferry.convert"},
     "router": {"engine", "model", "kvpool", "kvferry.convert"},
     "loadtest": {"router"},
-    "deploy": {"engine", "model", "kvpool", "router"},
+    # a worker's own settings (import-light): the launchers spell its argv from them
+    "deploy": {"engine", "model", "kvpool", "router", "kvferry.worker.config"},
 }
 UPWARD = {"worker", "prefill_worker", "decode_worker", "router", "deploy", "loadtest", "kvferry.cli"}
 

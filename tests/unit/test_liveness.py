@@ -6,6 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from kvferry.deploy.fault_harness import wait_for
 from kvferry.engine.loop import EngineLoop
 from kvferry.rpc import Heartbeat
 from kvferry.worker.runtime import stall_reason
@@ -31,15 +32,6 @@ class IdleEngine:
         return False
 
 
-def wait(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_worker_whose_engine_hangs_is_not_re_registered_until_it_moves_again():
     loop = EngineLoop(IdleEngine(), lambda outputs: None)
     worker = SimpleNamespace(loop=loop)
@@ -49,15 +41,15 @@ def test_a_worker_whose_engine_hangs_is_not_re_registered_until_it_moves_again()
     heartbeat.start()
     release = threading.Event()
     try:
-        assert wait(lambda: registry.registrations >= 3)  # an idle loop is alive
+        wait_for(lambda: registry.registrations >= 3, 10, "3 registrations")  # an idle loop is alive
         loop.submit(lambda: release.wait(20))  # the engine thread hangs (a step, a collective)
-        assert wait(lambda: heartbeat.withheld)
+        wait_for(lambda: heartbeat.withheld, 10, "the heartbeat to be withheld")
         assert stall_reason(worker, 0.3).startswith("the engine loop has been in one iteration")
         count = registry.registrations
         time.sleep(0.3)  # (several heartbeat intervals: none of them registers)
         assert registry.registrations == count
         release.set()
-        assert wait(lambda: not heartbeat.withheld and registry.registrations > count)
+        wait_for(lambda: not heartbeat.withheld and registry.registrations > count, 10, "a registration")
         assert stall_reason(worker, 0.3) is None
     finally:
         release.set()

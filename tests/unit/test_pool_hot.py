@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.deploy.config import ClusterConfigError, PoolSettings
+from kvferry.deploy.config import ClusterConfigError
+from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.hot import HotBlocks
 
 
@@ -36,4 +37,4 @@ def test_counting_is_off(reads, replicas):
 )
 def test_pool_settings_refuse_bad_replica_settings(bad):
     with pytest.raises(ClusterConfigError):
-        PoolSettings(**bad)
+        PoolConfig(**bad)

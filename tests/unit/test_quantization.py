@@ -16,6 +16,9 @@ from kvferry.model import quant
 from kvferry.model.layers import linear, pack, quantize
 from kvferry.model.moe import experts_forward
 
+# the int8 kernels with torch's own thread count (the other unit tests run on one: tests/unit/conftest.py)
+pytestmark = pytest.mark.usefixtures("all_torch_threads")
+
 GEN = torch.Generator().manual_seed(0)
 needs_kernels = pytest.mark.skipif(not cpu.load(), reason="the CPU kernels do not build or run here")
 
@@ -72,14 +75,14 @@ def test_int8_act_range_is_the_kernels_and_a_nan_row_stays_nan():
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
 
 
-def test_fingerprint_records_a_7bit_activation_range(tiny_model_dir, monkeypatch):
+def test_fingerprint_records_a_7bit_activation_range(make_engine, monkeypatch):
     """int8 KV made with 7-bit activations (an AVX2-only CPU) never matches 8-bit activations' KV."""
     from kvferry.engine import engine as engine_mod
 
     def fingerprint(qmax):
         monkeypatch.setattr(engine_mod, "act_qmax", lambda device: qmax)
-        cfg = EngineConfig(model=str(tiny_model_dir), kernels="torch", quantization="int8", max_model_len=256)
-        return engine_mod.LLMEngine(cfg).fingerprint
+        # the dtype `auto` picks, as a cluster's would
+        return make_engine(dtype=None, kernels="torch", quantization="int8").fingerprint
 
     assert fingerprint(63) != fingerprint(127)
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import InvalidRequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
-    )
+def engine(make_engine):
+    return make_engine()
 
 
 PROMPT = list(range(100, 120))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
+from kvferry.engine.engine import EngineConfig, EngineConfigError
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.spec_decode import NgramProposer, SpeculativeConfig, SpeculativeConfigError
 from kvferry.model.sampler import SampleRow, SamplingSpec, speculative_sample, target_probs
@@ -37,12 +37,13 @@ def test_the_flag_travels_to_the_workers_as_json():
     config as a mapping."""
     import argparse
 
-    from kvferry.engine.args import add_engine_args, engine_config_from, engine_flags
+    from kvferry.engine.args import add_engine_args, engine_config_from
+    from kvferry.flags import config_flags
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     for given in ({"method": "ngram", "num_speculative_tokens": 2}, NGRAM):
-        back = engine_config_from(parser.parse_args(engine_flags(EngineConfig(speculative_config=given))))
+        back = engine_config_from(parser.parse_args(config_flags(EngineConfig(speculative_config=given))))
         assert SpeculativeConfig.parse(back.speculative_config) == SpeculativeConfig.parse(given)
 
 
@@ -136,14 +137,23 @@ def test_rejection_sampling_preserves_the_target_distribution(spec):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    def make(spec):
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative_config=spec))
-
-    return make(None), make(NGRAM)
+def engines(make_engine):
+    return make_engine(), make_engine(speculative_config=NGRAM)
 
 
 LOOP = [101, 202, 303, 404, 505] * 4
+
+
+@pytest.fixture(scope="module")
+def repeat_prompts(engines) -> list[list[int]]:
+    """Two prompts, then each followed by the model's greedy continuation and the prompt again: the model
+    continues it the same way, so the n-gram proposals (the continuation seen before) are accepted, up
+    to where a control makes the target differ."""
+    plain, _ = engines
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    bases = [LOOP, list(range(30, 60))]
+    outs = [c.output_token_ids for c in plain.generate([{"prompt_token_ids": p} for p in bases], greedy)]
+    return [*bases, *(p + o + p for p, o in zip(bases, outs, strict=True))]
 
 
 @pytest.mark.parametrize(
@@ -157,15 +167,9 @@ LOOP = [101, 202, 303, 404, 505] * 4
     ],
     ids=["repetition", "frequency-presence", "min-tokens-bias", "logprobs", "short"],
 )
-def test_engine_with_drafts_matches_the_engine_without(engines, params):
+def test_engine_with_drafts_matches_the_engine_without(engines, repeat_prompts, params):
     plain, spec = engines
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    bases = [LOOP, list(range(30, 60))]
-    # a prompt followed by the model's greedy continuation and the prompt again: the model continues it
-    # the same way, so the n-gram proposals (the continuation seen before) are accepted, up to where a
-    # control makes the target differ
-    outs = [c.output_token_ids for c in plain.generate([{"prompt_token_ids": p} for p in bases], greedy)]
-    prompts = [*bases, *(p + o + p for p, o in zip(bases, outs, strict=True))]
+    prompts = repeat_prompts
     sp = SamplingParams(**({"max_tokens": 24, "temperature": 0.0, "ignore_eos": True} | params))
     want = plain.generate([{"prompt_token_ids": p} for p in prompts], sp)
     before, accepted = spec.spec_proposed, spec.spec_accepted

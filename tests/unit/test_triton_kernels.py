@@ -266,3 +266,22 @@ def test_w8a8_linear_is_the_reference_bit_for_bit(m, k, n):
     assert torch.equal(triton_w8a8.w8a8_linear(x, q, scale), quant.w8a8_linear(x, q, scale))
     # 7-bit activations (what the torch path on an AVX2-only CPU host takes, to match its C++ kernels)
     assert torch.equal(triton_w8a8.w8a8_linear(x, q, scale, 63), quant.w8a8_linear(x, q, scale, 63))
+
+
+def test_int8_layers_run_the_triton_kernel_where_triton_runs(monkeypatch):
+    """`model.layers.int8_linear` (every int8 layer off the CPU kernels) takes the Triton W8A8 kernel where
+    Triton runs (CUDA, or here the interpreter) and gives the torch reference's result at the device's
+    activation range. (The engine-level int8 parity test runs `--kernels torch` on the reference itself.)"""
+    from kvferry.kernels import triton_w8a8
+    from kvferry.model import layers, quant
+
+    calls = []
+    kernel = triton_w8a8.w8a8_linear
+    monkeypatch.setattr(triton_w8a8, "w8a8_linear", lambda *a: calls.append(1) or kernel(*a))
+    gen = torch.Generator().manual_seed(11)
+    w = layers.quantize(torch.randn(96, 40, generator=gen).to(DEVICE))
+    x = torch.randn(9, 96, generator=gen).to(DEVICE)
+    got = layers.int8_linear(x, w, w.int8_scale)
+    assert calls == [1]
+    qmax = quant.act_qmax(x.device)
+    assert torch.equal(got.cpu(), quant.w8a8_linear(x.cpu(), w.cpu(), w.int8_scale.cpu(), qmax))
