@@ -200,10 +200,7 @@ def drive(
 
 def registered_members(redis_url: str) -> Members:
     """Stubs of the members registered now in the cluster's Redis (every role has some here)."""
-    cfg = types.SimpleNamespace(
-        namespace=NAMESPACE, colocated=False, pool=types.SimpleNamespace(nodes=1), members=lambda role: 1
-    )
-    return Members(types.SimpleNamespace(redis_url=redis_url, cfg=cfg))
+    return Members(types.SimpleNamespace(redis_url=redis_url, cfg=types.SimpleNamespace(namespace=NAMESPACE)))
 
 
 def fresh_members(mh) -> Members:
@@ -513,7 +510,7 @@ def test_a_long_run_at_80_percent_of_capacity_grows_no_sockets_threads_or_descri
 
     Poisson arrivals at 80% of the rate the cluster sustains closed-loop, of short requests
     (SOAK_NEW_TOKENS new tokens: the most requests, each a full prefill, KV hand-off across hosts and
-    decode, a second) for KVFERRY_SOAK_S (90) seconds, in rounds of SOAK_ROUND_S. After the warm-up and
+    decode, a second) for KVFERRY_SOAK_S (60) seconds, in rounds of SOAK_ROUND_S. After the warm-up and
     after every round (each request of it answered, the decode drained) every kvferry process's
     descriptors, sockets and threads and each host's TIME_WAIT sockets are sampled, so the counts are a
     trend over the run, not two points: at no sample more than SOAK_SLACK over the count after the
@@ -522,7 +519,7 @@ def test_a_long_run_at_80_percent_of_capacity_grows_no_sockets_threads_or_descri
     round after round; no process gone or new; every request correct. TIME_WAIT sockets last 60 s, so
     a run of 60 s or more after the warm-up holds a per-request connection's full pile-up. (Before:
     one 600 s run at 12 new tokens, compared at its two ends.)"""
-    seconds = float(os.environ.get("KVFERRY_SOAK_S", "90"))
+    seconds = float(os.environ.get("KVFERRY_SOAK_S", "60"))
     prompts = [random_prompt(20_000 + i, 24 + i % 64) for i in range(64)]
     soak_cases = list(zip(prompts, hf_greedy(mh.model, prompts, SOAK_NEW_TOKENS), strict=True))
     closed = drive(mh.client, soak_cases, 10.0, concurrency=8, tokens=SOAK_NEW_TOKENS)
