@@ -440,7 +440,7 @@ def pool_argv(cfg: ClusterConfig, layout: BlockLayout, node_id: str, host: str) 
     """The command of a pool node holding blocks of `layout` (config.cluster_layout: the workers'): the
     cluster's pool settings with this node's own (`kvferry.flags.config_flags`). Like every member's, it
     gets the Redis URL from its environment (redis_env), not its arguments."""
-    disk = None if cfg.pool.disk_dir is None else f"{cfg.pool.disk_dir}/{node_id}"  # each node locks its own
+    disk = f"{cfg.pool.disk_dir}/{node_id}" if cfg.pool.disk_dir else None  # each node locks its own
     node = replace(cfg.pool, node_id=node_id, host=host, namespace=cfg.namespace, disk_dir=disk)
     layout_flag = ("--layout", ",".join(map(str, layout.to_list())))
     return [sys.executable, "-m", "kvferry.kvpool", *config_flags(node), *layout_flag]

@@ -515,6 +515,14 @@ def _plan_parser(sub) -> None:
     # the workers' engine settings the costs are priced with (prefill: its step's token budget)
     fleet = ("model", "dtype", "max_num_batched_tokens", "decode_step_interval_ms", "max_num_seqs")
     add_config_args(costs, EngineConfig, only=fleet)
+    # the names these flags had before they were derived from the configs (scripts still pass them)
+    for old, dest in (
+        ("--slo-ttft-ms", "ttft_ms"),
+        ("--slo-tpot-ms", "tpot_ms"),
+        ("--token-budget", "max_num_batched_tokens"),
+        ("--decode-pace-ms", "decode_step_interval_ms"),
+    ):
+        plan.add_argument(old, dest=dest, type=float if dest.endswith("_ms") else int, help=argparse.SUPPRESS)
     costs.set_defaults(model="bench", max_num_batched_tokens=DEFAULT_TOKEN_BUDGET)
     _local_cluster_args(costs)  # a running cluster: its workers' fits
     plan.set_defaults(func=_cmd_plan)

@@ -9,10 +9,9 @@ type, default) and, in the field's metadata, its help text, its choices, and ano
   value as JSON).
 
 One config serves three audiences: the component's own process (its flags), the cluster file (a section
-whose keys are the fields) and `kvferry up` (the same fields as flags, under a prefix such as `--pool-`,
-that override the file: `unset=True` parsers, whose flags default to None = not given; see
-`deploy.config.add_up_args`) and the cluster file (`section`, `section_dict`). Field metadata says where
-a field goes:
+whose keys are the fields: `section`, `section_dict`) and `kvferry up` (the same fields as flags, under a
+prefix such as `--pool-`, that override the file: `unset=True` parsers, whose flags default to None = not
+given; see `deploy.config.add_up_args`). Field metadata says where a field goes:
 
 - `help`, `choices`, `metavar`: the flag's; `flag`: its name without `--` (a name that starts with `--`
   is taken whole, never prefixed); `flag: None`: no flag at all.
@@ -261,7 +260,7 @@ def section(cls, values: dict, name: str):
     kind_of = kinds(cls)
     out = {}
     for f in settings_of(cls):
-        if f.name not in values:
+        if f.name not in values or (values[f.name] is None and "parse" in f.metadata):  # null: the default
             continue
         value = convert(f, values[f.name], f"{name}.{f.name}")
         if kind_of[f.name] is tuple and "parse" not in f.metadata:

@@ -262,6 +262,13 @@ def test_the_pool_disk_tier_settings_are_checked_and_reach_each_nodes_command(ti
     assert argv[argv.index("--disk-dir") + 1] == "/d/pool-0"
     assert float(argv[argv.index("--disk-max-gib") + 1]) == 2
     assert "--disk-dir" not in pool_argv(ClusterConfig(), layout, "pool-0", "127.0.0.1")
+    off = cluster_config_from_dict({"pool": {"disk_dir": ""}})  # an empty directory: no disk tier
+    assert "--disk-dir" not in pool_argv(off, layout, "pool-0", "127.0.0.1")
+
+
+def test_a_null_autoscale_bound_in_the_cluster_file_keeps_the_default():
+    cfg = cluster_config_from_dict({"autoscale": {"decode": None, "prefill": [2, 3]}})
+    assert cfg.autoscale.decode == ClusterConfig().autoscale.decode and tuple(cfg.autoscale.prefill) == (2, 3)
 
 
 def test_vllm_spellings_of_up_flags_map_onto_the_groups_and_the_router(tmp_path):

@@ -259,6 +259,11 @@ def test_kvferry_plan_recommends_a_split_for_a_trace_file(tmp_path, capsys):
     assert main(["plan", "--trace", str(trace), *costs]) == 2
     assert "trace line 1: no prompt_tokens" in capsys.readouterr().err
     assert main(["plan", "--trace", str(tmp_path / "missing.jsonl"), *costs]) == 2
+    # the flags' names from before they were derived from the configs still work
+    trace.write_text("\n".join(trace_lines(rows)) + "\n")
+    old = ["--slo-ttft-ms", "700", "--slo-tpot-ms", "80", "--token-budget", "256", "--decode-pace-ms", "5"]
+    assert main(["plan", "--trace", str(trace), *costs, *old]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["slo"]["ttft_ms"] == 700
 
 
 def test_a_role_that_missed_keeps_the_group_it_took_until_the_lesson_fades():

@@ -37,13 +37,13 @@ def test_the_flag_travels_to_the_workers_as_json():
     config as a mapping."""
     import argparse
 
-    from kvferry.engine.args import add_engine_args, engine_config_from
-    from kvferry.flags import config_flags
+    from kvferry.flags import add_config_args, config_flags, config_from
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_config_args(parser, EngineConfig)
     for given in ({"method": "ngram", "num_speculative_tokens": 2}, NGRAM):
-        back = engine_config_from(parser.parse_args(config_flags(EngineConfig(speculative_config=given))))
+        flags = config_flags(EngineConfig(speculative_config=given))
+        back = config_from(parser.parse_args(flags), EngineConfig)
         assert SpeculativeConfig.parse(back.speculative_config) == SpeculativeConfig.parse(given)
 
 
