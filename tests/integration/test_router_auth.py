@@ -201,7 +201,7 @@ def test_http_api_keys_over_https(secured, tiny_model_dir):
 
 
 def test_default_deadline_applies_when_the_client_sets_none(cluster, tmp_path):
-    router = ExtraRouter(cluster, tmp_path / "router.log", "--request-timeout-s", "0.5", "--no-http")
+    router = ExtraRouter(cluster, tmp_path / "router.log", "--request-timeout-s", "0.2", "--no-http")
     try:
         with Client(router.addr) as c:
 
