@@ -86,9 +86,9 @@ class Members:
 
     def __init__(self, cluster):
         meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
-        try:
+        if isinstance(cluster.cfg, ClusterConfig):
             want = dict(zip(("prefill", "decode", "pool"), expected_members(cluster.cfg), strict=True))
-        except AttributeError:  # no ClusterConfig (just a namespace): every role has members
+        else:  # no ClusterConfig (just a namespace): every role has members
             want = {"prefill": 1, "decode": 1, "pool": 1}
         self.channels = []
         self.prefill = self._stubs(meta, "prefill", worker_pb2_grpc.PrefillWorkerStub, want["prefill"])
