@@ -68,7 +68,7 @@ def measure(url: str, hosts: TestHosts, args, rng: torch.Generator, bar: tqdm) -
     received = hosts[3].counters()[1]
     for _ in range(args.repeats):
         prompt = torch.randint(100, 8000, (args.tokens,), generator=rng).tolist()
-        sent, times = stream_times(url, model, prompt, 2)
+        sent, times, _ = stream_times(url, model, prompt, 2)
         if len(times) != 2:
             raise SystemExit(f"expected 2 streamed tokens, got {len(times)}")
         ttfts.append((times[0] - sent) * 1e3)

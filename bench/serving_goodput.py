@@ -59,35 +59,48 @@ def served_model(url: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
-def stream_times(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-    """One streamed greedy completion (ignore_eos): when it was sent and when each token with text
-    arrived (perf_counter seconds)."""
+PHASES = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_ms")  # kvferry's timings (TTFT's parts)
+
+
+def stream_times(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], dict]:
+    """One streamed greedy completion (ignore_eos): when it was sent, when each token with text arrived
+    (perf_counter seconds), and the server's per-phase timings where it sends them (kvferry: the last
+    chunk's `timings`; {} for other servers)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     body |= {"temperature": 0, "stream": True}
     request = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    sent, times = time.perf_counter(), []
+    sent, times, phases = time.perf_counter(), [], {}
     with urllib.request.urlopen(request, timeout=300) as resp:
         for line in resp:
-            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
-    return sent, times
+            phases = chunk.get("timings") or phases
+    return sent, times, phases
 
 
 def c1(url: str, input_len: int, output_len: int, requests: int) -> dict:
     """Requests one at a time, each a fresh prompt (no prefix-cache hits): TTFT and TPOT medians in ms
-    (the first request is a warm-up, not counted)."""
+    (the first request is a warm-up, not counted), and where the server reports them (kvferry), the
+    medians of TTFT's parts: queue, prefill, KV transfer, first decode step."""
     model = served_model(url)
     gen = torch.Generator().manual_seed(1234)
-    ttfts, tpots = [], []
+    ttfts, tpots, parts = [], [], {name: [] for name in PHASES}
     for i in range(requests + 1):
         prompt = torch.randint(100, 4000, (input_len,), generator=gen).tolist()
-        sent, times = stream_times(url, model, prompt, output_len)
+        sent, times, phases = stream_times(url, model, prompt, output_len)
         if i and len(times) > 1:
             ttfts.append((times[0] - sent) * 1e3)
             tpots.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
-    return {"ttft_ms": round(statistics.median(ttfts), 1), "tpot_ms": round(statistics.median(tpots), 2)}
+            for name in PHASES:
+                if name in phases:
+                    parts[name].append(phases[name])
+    out = {"ttft_ms": round(statistics.median(ttfts), 1), "tpot_ms": round(statistics.median(tpots), 2)}
+    return out | {name: round(statistics.median(v), 1) for name, v in parts.items() if v}
 
 
 def start(
@@ -193,6 +206,9 @@ def main() -> None:
         "kvferry_vs_before": _ratio(good["kvferry"], good.get("before")),
         **{f"{label}_c1_tpot_ms": single[label]["tpot_ms"] for label in urls},
         **{f"{label}_c1_ttft_ms": single[label]["ttft_ms"] for label in urls},
+        "c1_ttft_parts_ms": {
+            label: {name: single[label][name] for name in PHASES if name in single[label]} for label in urls
+        },
     }
     print_result(result, args.out / "result.json")
 

@@ -115,6 +115,7 @@ class WorkerGroupSettings:
 PLACEMENTS = ("prefill-first", "even")
 INTERNAL_TLS = ("auto", "on", "off")
 SHARED_DECODE_STEP_MS = 40.0  # decode_step_interval_ms of decode ranks that share cores with prefill
+SHARED_DECODE_YIELD_MS = 50.0  # their decode_yield_ms: a step waits this long at most for a prefill
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,14 @@ class Placement:
     passive_wait: bool = False  # OpenMP threads sleep while they wait at a barrier instead of spinning
     # decode ranks: EngineConfig.decode_step_interval_ms unless the cluster file sets one (0: no pacing)
     step_interval_ms: float = 0.0
+    # decode ranks: EngineConfig.decode_yield_ms unless the cluster file sets one (0: never yield)
+    yield_ms: float = 0.0
+    shares: bool = False  # shares its cores with the other kind: joins the host's share directory
+
+    def engine_defaults(self) -> dict[str, float]:
+        """The engine settings this placement picks for those the cluster file leaves unset."""
+        values = {"decode_step_interval_ms": self.step_interval_ms, "decode_yield_ms": self.yield_ms}
+        return {k: v for k, v in values.items() if v}
 
     def env(self) -> dict[str, str]:
         return {"KVFERRY_NUM_THREADS": str(self.threads)} | (
@@ -338,11 +347,13 @@ class ClusterConfig:
         the same as `even` when colocated): the compute-bound prefill ranks share all the cores, and
         the decode ranks keep their even share at the lowest CPU priority (nice 19) wherever the two
         overlap, so TTFT gets the cores and decode — memory-bound, its TPOT SLO far above its step
-        time — runs in what prefill leaves; prefill's OpenMP threads then sleep at a barrier instead
-        of spinning (OMP_WAIT_POLICY=PASSIVE), so a waiting thread hands its core to decode. Those
-        decode ranks also pace their steps (SHARED_DECODE_STEP_MS, the engine loop's pacing): a batch
-        of 4 or more streams steps every 40 ms, 40% of a 100 ms TPOT SLO, carrying more tokens per
-        weight read and leaving the cores to prefill in between.
+        time — runs in what prefill leaves. Those decode ranks pace their steps (SHARED_DECODE_STEP_MS,
+        the engine loop's pacing): a batch of 4 or more streams steps every 40 ms, 40% of a 100 ms TPOT
+        SLO, carrying more tokens per weight read and leaving the cores to prefill in between; and they
+        yield to prefill (SHARED_DECODE_YIELD_MS, engine.host_share): while a prefill of the host
+        computes, a decode step waits, whatever the batch. Prefill's OpenMP threads sleep at a barrier
+        instead of spinning (OMP_WAIT_POLICY=PASSIVE): under load a waiting thread hands its core to
+        the rest of the host (decode between prefills, the KV writes, the router, the pool).
         """
         even = max(1, cores // self.processes())
         if self.placement == "even" or self.colocated:
@@ -352,10 +363,16 @@ class ClusterConfig:
         )
         prefill = max(1, cores // prefill_ranks)
         shared = prefill * prefill_ranks + even * (self.processes() - prefill_ranks) > cores
+        if not shared:
+            return {"prefill": Placement(prefill), "decode": Placement(even)}
         return {
-            "prefill": Placement(prefill, passive_wait=shared),
+            "prefill": Placement(prefill, passive_wait=True, shares=True),
             "decode": Placement(
-                even, background=shared, step_interval_ms=SHARED_DECODE_STEP_MS if shared else 0.0
+                even,
+                background=True,
+                step_interval_ms=SHARED_DECODE_STEP_MS,
+                yield_ms=SHARED_DECODE_YIELD_MS,
+                shares=True,
             ),
         }
 

@@ -70,6 +70,11 @@ TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
 SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
 
 
+def shm_dir() -> str | None:
+    """Where a host's share directory goes: its tmpfs (/dev/shm), else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 def placement_env(placement: Placement, environ=os.environ) -> dict[str, str]:
     """A worker's environment additions for its placement; a variable the user set in the launcher's
     environment (KVFERRY_NUM_THREADS, OMP_WAIT_POLICY) wins over the placement's value."""
@@ -109,6 +114,7 @@ class LocalCluster:
     _placement: dict = field(default_factory=dict)
     _layout: BlockLayout | None = None  # the pool's (None when colocated)
     _tmp: Path | None = None
+    _share_dir: Path | None = None  # engine.host_share's directory (the placement shares cores)
     secret: str = field(default="", repr=False)  # the cluster secret every child gets
     ca: ClusterCA | None = field(default=None, repr=False)  # internal TLS: what signs every child's leaf
     events: list[str] = field(default_factory=list)  # restarts and units left down, as reported
@@ -180,6 +186,8 @@ class LocalCluster:
         for i in range(0 if cfg.colocated else cfg.pool.nodes):
             self._spawn(f"pool-{i}", pool_argv(cfg, self._layout, f"pool-{i}", inner))
         self._placement = cfg.host_placement(os.cpu_count() or 1)
+        if any(p.shares for p in self._placement.values()):  # prefill and decode share the cores
+            self._share_dir = Path(tempfile.mkdtemp(prefix="kvferry-share-", dir=shm_dir()))
         for role in cfg.roles():
             for index, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
@@ -255,8 +263,17 @@ class LocalCluster:
         name = f"{role}-{next(self._names[role])}"
         cfg = self.cfg
         placement = self._placement[role]
-        paced = {"decode_step_interval_ms": placement.step_interval_ms} if placement.step_interval_ms else {}
-        argv = worker_argv(cfg, role, kind, name, str(self.model_dir), cfg.cluster_host, defaults=paced)
+        share = str(self._share_dir) if placement.shares and self._share_dir else ""
+        argv = worker_argv(
+            cfg,
+            role,
+            kind,
+            name,
+            str(self.model_dir),
+            cfg.cluster_host,
+            defaults=placement.engine_defaults(),
+            host_share_dir=share,
+        )
         child = self._spawn(name, placement.command(argv), placement_env(placement))
         child.size = cfg.group_size(role, kind)
         with self._lock:
@@ -405,6 +422,8 @@ class LocalCluster:
             for name in SECRET_FILES:
                 with contextlib.suppress(FileNotFoundError):
                     (self.log_dir / name).unlink()
+        if self._share_dir is not None:
+            shutil.rmtree(self._share_dir, ignore_errors=True)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -454,6 +473,7 @@ def worker_argv(
     model: str,
     host: str,
     defaults: dict | None = None,
+    host_share_dir: str = "",
 ) -> list[str]:
     """The command of a worker group of kind `kind` (its index in cfg.groups(role)); `model` is what
     the worker resolves (a built-in name is made on each node on first use). `defaults`: engine
@@ -461,7 +481,11 @@ def worker_argv(
     engine = replace(cfg.engine_config(role, kind), model=model)
     engine = replace(engine, **{k: v for k, v in (defaults or {}).items() if getattr(engine, k) is None})
     own = WorkerConfig(
-        worker_id=name, host=host, namespace=cfg.namespace, drain_timeout_s=cfg.drain_timeout_s
+        worker_id=name,
+        host=host,
+        namespace=cfg.namespace,
+        drain_timeout_s=cfg.drain_timeout_s,
+        host_share_dir=host_share_dir,
     )
     return [
         *(sys.executable, "-m", f"kvferry.{role}_worker", *config_flags(own)),

@@ -111,6 +111,16 @@ class EngineConfig:
             roles=("decode",),
         ),
     )
+    # (engine.loop, engine.host_share); `kvferry up` sets it where decode shares cores with prefill
+    decode_yield_ms: float | None = field(
+        default=None,
+        metadata=meta(
+            "decode workers sharing a host's cores with prefill workers (a host share directory): while "
+            "a prefill there computes, hold the next step back until it is done or this long after the "
+            "previous step started (0 or unset: never)",
+            roles=("decode",),
+        ),
+    )
     # vLLM's and SGLang's --stream-interval
     stream_interval: int = field(
         default=1,
@@ -164,10 +174,9 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             choices = ", ".join(KERNEL_CHOICES)
             raise EngineConfigError(f"kernels must be one of {choices}, got {self.kernels!r}")
-        if self.decode_step_interval_ms is not None and not 0 <= self.decode_step_interval_ms <= 1000:
-            raise EngineConfigError(
-                f"decode_step_interval_ms must be in [0, 1000], got {self.decode_step_interval_ms}"
-            )
+        for name in ("decode_step_interval_ms", "decode_yield_ms"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 1000:
+                raise EngineConfigError(f"{name} must be in [0, 1000], got {getattr(self, name)}")
         if self.kv_cache_memory_gib <= 0:
             raise EngineConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.engine.engine import LLMEngine
+from kvferry.engine.host_share import HostPrefill, PrefillMark
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class EngineLoop(threading.Thread):
     cadence carries more tokens per step (Little's law: the batch grows with the time a request stays)
     for the same reads, and the time between steps goes to the processes that share the cores
     (prefill, on one host). Fewer running requests (one stream alone) step at full speed.
+
+    Sharing a host's cores (`share_host`, engine.host_share): a prefill loop marks when it has work; a
+    decode loop holds each step back while a prefill of its host computes, up to `decode_yield_ms` after
+    its previous step started, whatever its batch.
     """
 
     def __init__(
@@ -108,6 +113,19 @@ class EngineLoop(threading.Thread):
         self.last_step = 0.0
         self.step_interval_ms = 0.0  # observed: the running mean of the time between busy steps
         self._busy_since: float | None = None
+        self.prefill_mark: PrefillMark | None = None  # a prefill loop on a shared host
+        self.host_prefill: HostPrefill | None = None  # a decode loop on a shared host
+        self.yield_s = 0.0
+        self.yielded_s = 0.0  # held back for the host's prefill, in all
+
+    def share_host(self, directory: str, role: str, yield_ms: float | None) -> None:
+        """Share this host's cores with the other kind of worker (engine.host_share): a prefill loop
+        marks when it has work in `directory`; a decode loop (`yield_ms` > 0) yields to those marks."""
+        if role == "prefill":
+            self.prefill_mark = PrefillMark(directory)
+        elif yield_ms:
+            self.host_prefill = HostPrefill(directory)
+            self.yield_s = yield_ms / 1e3
 
     def submit(self, fn: Callable[[], None]) -> None:
         self.inbox.put(fn)
@@ -132,6 +150,9 @@ class EngineLoop(threading.Thread):
         finally:
             self.stopped.set()
             self._fail_pending()
+            for shared in (self.prefill_mark, self.host_prefill):
+                if shared is not None:
+                    shared.close()
 
     def _fail_pending(self) -> None:
         """The loop is done: whoever waits on a call learns it now (plain closures are dropped)."""
@@ -168,6 +189,8 @@ class EngineLoop(threading.Thread):
                     if self.on_sync_lost is not None:
                         self.on_sync_lost()
                     return
+            if self.prefill_mark is not None:
+                self.prefill_mark.set(busy)
             if busy:
                 self._pace()
                 start, steps = time.perf_counter(), self.engine.num_steps
@@ -206,6 +229,8 @@ class EngineLoop(threading.Thread):
             left = self.last_step + self.step_interval_s - time.perf_counter()
             if left > 0:
                 self.stopped.wait(left)
+        if self.host_prefill is not None and self.last_step:
+            self.yielded_s += self.host_prefill.wait_idle(self.last_step + self.yield_s, self.stopped)
         self.last_step = time.perf_counter()
 
     def _drain(self) -> bool:

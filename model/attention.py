@@ -85,11 +85,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "torch",
+    bf16: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already in the cache). Returns [T, Hq, D].
 
     `backend` (`kernels.select.choose`): "triton" (CUDA, or the interpreter), "cpu" (the C++ kernels,
-    float32) or "torch" (the references).
+    float32) or "torch" (the references). `bf16` (a bf16 model on the C++ kernels): a prefill chunk's
+    QK^T and PV products in bf16 where the kernels' AMX path serves (`kernels.cpu.amx`), else ignored.
     """
     if backend == "triton":
         return _triton_attention(q, k_cache, v_cache, meta, scale)
@@ -104,7 +106,7 @@ def paged_attention(
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if kernels:
             attn = cpu_ops().paged_prefill_attention(
-                q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
+                q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale, bf16
             )
             out[rows] = attn.view_as(q[rows])
         else:

@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
         self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`)
+        self.bf16_products = False  # a bf16 model on them: bf16 prefill attention products (AMX path)
         self.triton = False  # the Triton kernels (`use_triton`)
 
     def forward(
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         backend = "cpu" if self.cpu_kernels else "triton" if self.triton else "torch"
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend, self.bf16_products)
         return linear(out.reshape(t, hq * d), self.o)
 
 
@@ -216,6 +217,8 @@ class Qwen3MoeModel(nn.Module):
                     setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = True
+            if hasattr(module, "bf16_products"):
+                module.bf16_products = bf16_dot
         self.decode_weights = self._collect_decode_weights()
         return True
 

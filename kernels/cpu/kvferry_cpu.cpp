@@ -6,12 +6,17 @@
 //
 // Packed weights: a [K, N] input-major matrix is stored as [ceil(N/16), K, 16] (column blocks of 16), so
 // the GEMM streams each block's K x 16 floats front to back. Expert stacks [E, K, N] pack per expert.
+//
+// On CPUs with AMX the bf16-pair and int8 GEMMs of enough rows (prefill, batched decode, busy experts) run
+// each column block through oneDNN's brgemm microkernel instead of the register-tiled loops: same packed
+// weights, same threads and blocks (brgemm.h; chosen at load by kernels/cpu.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "brgemm.h"
 #include "int8_gemm.h"
 #include "vec_math.h"
 
@@ -285,28 +290,40 @@ struct Packed {
 
 // An input prepared for a packed weight's layout: float32 rows x (row stride ldx); their bf16 copy xb for
 // bf16-pair weights (row stride K, K even); their int8 rows xq with per-row scales xs for int8 weights
-// (row stride K).
+// (row stride K). slack: xb / xq have kvferry_cpu::BR_SLACK more rows readable past the last (the brgemm
+// path reads whole row blocks).
 struct Rows {
   const float* x = nullptr;
   int64_t ldx = 0;
   const uint16_t* xb = nullptr;
   const kvferry_cpu::act_t* xq = nullptr;
   const float* xs = nullptr;
+  bool slack = false;
   Rows offset(int64_t r, int64_t K) const {  // the rows from row r on
-    return {x ? x + r * ldx : nullptr, ldx, xb ? xb + r * K : nullptr, xq ? xq + r * K : nullptr, xs ? xs + r : nullptr};
+    return {x ? x + r * ldx : nullptr, ldx, xb ? xb + r * K : nullptr, xq ? xq + r * K : nullptr,
+            xs ? xs + r : nullptr, slack};
   }
 };
 
-// column blocks [b0, b1) of out [M, N] (row stride ldo) = input [M, K] @ w; serial
+// column blocks [b0, b1) of out [M, N] (row stride ldo) = input [M, K] @ w; serial. bf16-pair and int8
+// weights go through oneDNN's brgemm where that path is on and serves M rows (brgemm.h), else the loops here.
 void gemm_blocks(const Packed& w, const Rows& in, int64_t M, int64_t K, int64_t N, float* out, int64_t ldo, int64_t b0,
                  int64_t b1) {
   const float* x = in.x;
   const int64_t ldx = in.ldx;
   const uint16_t* xb = in.xb;
-  if (w.i8) return kvferry_cpu::gemm_i8_blocks(in.xq, in.xs, K, M, static_cast<const int8_t*>(w.data), N, out, ldo, b0, b1);
+  const bool tiles = in.slack && kvferry_cpu::brgemm_serves(M);
+  if (w.i8) {
+    const auto* wq = static_cast<const int8_t*>(w.data);
+    if (tiles)
+      return kvferry_cpu::brgemm_i8_blocks(in.xq, in.xs, K, M, wq, N, out, ldo, b0, b1);
+    return kvferry_cpu::gemm_i8_blocks(in.xq, in.xs, K, M, wq, N, out, ldo, b0, b1);
+  }
   if (w.pairs) {
 #ifdef KVFERRY_AVX512BF16
-    return gemm_bf16_blocks(xb, K, M, static_cast<const uint16_t*>(w.data), N, out, ldo, b0, b1);
+    const auto* wb = static_cast<const uint16_t*>(w.data);
+    if (tiles) return kvferry_cpu::brgemm_bf16_blocks(xb, K, M, wb, N, out, ldo, b0, b1);
+    return gemm_bf16_blocks(xb, K, M, wb, N, out, ldo, b0, b1);
 #else
     TORCH_CHECK(false, "bf16-pair weights need the AVX512-BF16 build of the kernels");
 #endif
@@ -322,15 +339,15 @@ void gemm_blocks(const Packed& w, const Rows& in, int64_t M, int64_t K, int64_t 
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, int64_t N, float* out,
           int64_t ldo) {
   const Packed w(weight);
-  const int64_t Kp = packed_k(weight);
-  std::vector<uint16_t> xb(w.pairs ? M * Kp : 0);
-  std::vector<kvferry_cpu::act_t> xq(w.i8 ? M * K : 0);
+  const int64_t Kp = packed_k(weight), slack = kvferry_cpu::brgemm_slack(M);  // rows the brgemm path reads past M
+  std::vector<uint16_t> xb(w.pairs ? (M + slack) * Kp : 0);
+  std::vector<kvferry_cpu::act_t> xq(w.i8 ? (M + slack) * K : 0);
   std::vector<float> xs(w.i8 ? M : 0);
 #ifdef KVFERRY_AVX512BF16
   if (w.pairs) to_bf16_pairs(x, ldx, M, K, xb.data(), Kp);
 #endif
   if (w.i8) kvferry_cpu::quantize_rows(x, ldx, M, K, xq.data(), xs.data());
-  const Rows in{x, ldx, xb.data(), xq.data(), xs.data()};
+  const Rows in{x, ldx, xb.data(), xq.data(), xs.data(), slack > 0};
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     gemm_blocks(w, in, M, w.pairs ? Kp : K, N, out, ldo, b0, b1);
   });
@@ -633,6 +650,100 @@ bool has_bf16_dot() {
 #endif
 }
 
+// The brgemm path (brgemm.h): from how many rows a bf16-pair or int8 GEMM takes it (0: off); returns the
+// previous setting. kernels/cpu.py sets it at load where the CPU has AMX and the self-check passes.
+int64_t set_brgemm_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_brgemm_min_rows: rows must be >= 0 (0: off)");
+  return kvferry_cpu::brgemm_min_rows_setting().exchange(rows);
+}
+
+int64_t brgemm_min_rows() { return kvferry_cpu::brgemm_min_rows_setting().load(); }
+
+// oneDNN can pack bf16 and int8 for its AMX microkernel here (cpublas::could_pack: AMX, oneDNN enabled)
+bool amx_could_pack() {
+  return at::native::cpublas::could_pack(at::kBFloat16) && at::native::cpublas::could_pack(at::kChar);
+}
+
+// Whether cpublas::brgemm runs here with VNNI-packed B for both bf16 x bf16 -> f32 and u8 x s8 -> s32 and
+// gives the exact sums of small integers (oneDNN's microkernel: AMX, or AVX-512 with BF16 / VNNI); false
+// where it throws (AVX2-only CPUs, oneDNN disabled). What tests check before forcing the path without AMX.
+bool brgemm_runs() {
+  constexpr int64_t M = 3, K = 32, N = 16;
+  std::vector<at::BFloat16> a(M * K), b(K * N);
+  std::vector<uint8_t> a8(M * K);
+  std::vector<int8_t> b8(K * N);
+  std::vector<float> c(M * N);
+  std::vector<int32_t> c8(M * N);
+  auto av = [](int64_t m, int64_t k) { return static_cast<int>((m * 7 + k * 3) % 11) - 5; };
+  auto bv = [](int64_t k, int64_t n) { return static_cast<int>((k * 5 + n * 2) % 13) - 6; };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      a[m * K + k] = static_cast<float>(av(m, k));
+      a8[m * K + k] = static_cast<uint8_t>(av(m, k) + 128);
+    }
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) {
+      b[(k / 2) * N * 2 + n * 2 + k % 2] = static_cast<float>(bv(k, n));  // [K/2][N][2]
+      b8[(k / 4) * N * 4 + n * 4 + k % 4] = static_cast<int8_t>(bv(k, n));  // [K/4][N][4]
+    }
+  try {
+    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a.data(), b.data(), c.data(), true);
+    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a8.data(), b8.data(), c8.data(), true);
+    at::native::cpublas::brgemm_release(true);
+  } catch (const std::exception&) {
+    at::native::cpublas::brgemm_release(true);
+    return false;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      int64_t sum = 0, sum8 = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        sum += av(m, k) * bv(k, n);
+        sum8 += (av(m, k) + 128) * bv(k, n);
+      }
+      if (c[m * N + n] != static_cast<float>(sum) || c8[m * N + n] != sum8) return false;
+    }
+  return true;
+}
+
+// kvferry's bf16-pair and int8 block layouts against oneDNN's own VNNI packing for its microkernel
+// (cpublas::pack of a [64, 16] block with ld_out 16): per dtype 1 = the same bytes, 0 = different, -1 = oneDNN
+// cannot pack here (no AMX) or threw.
+std::vector<int64_t> brgemm_layout_check() {
+  constexpr int64_t K = 64, N = 16;
+  std::vector<int64_t> result;
+  auto w = at::arange(K * N, at::kFloat).remainder_(37).sub_(18).mul_(0.25).view({K, N});
+  {  // bf16 pairs
+    auto in = w.to(at::kBFloat16).contiguous();
+    auto ours = pack_weight_bf16_pairs(in);
+    auto theirs = at::zeros({2 * K * N}, at::kBFloat16);
+    int64_t status = -1;
+    if (at::native::cpublas::could_pack(at::kBFloat16)) {
+      try {
+        at::native::cpublas::pack(K, N, N, N, at::kBFloat16, at::kBFloat16, in.data_ptr(), theirs.data_ptr());
+        status = std::memcmp(ours.data_ptr(), theirs.data_ptr(), K * N * 2) == 0 ? 1 : 0;
+      } catch (const std::exception&) {
+      }
+    }
+    result.push_back(status);
+  }
+  {  // int8: the block's body, before its scales and compensations
+    auto q = w.mul(4).to(at::kChar).contiguous();
+    auto ours = pack_weight_int8(q, at::ones({N}, at::kFloat));
+    auto theirs = at::zeros({2 * K * N}, at::kChar);
+    int64_t status = -1;
+    if (at::native::cpublas::could_pack(at::kChar)) {
+      try {
+        at::native::cpublas::pack(K, N, N, N, at::kChar, at::kChar, q.data_ptr(), theirs.data_ptr());
+        status = std::memcmp(ours.data_ptr(), theirs.data_ptr(), K * N) == 0 ? 1 : 0;
+      } catch (const std::exception&) {
+      }
+    }
+    result.push_back(status);
+  }
+  return result;
+}
+
 // HF RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight, double eps) {
   check_f32(x_, "x");
@@ -888,9 +999,13 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   const int64_t nact = active.size();
   auto opts = x.options();
   // gathered rows: float32, or their bf16 copies for pair-packed weights, or their int8 rows and scales
+  // (the bf16 and int8 rows with the slack the brgemm path reads past an expert's last row)
+  int64_t widest = 0;
+  for (int64_t e : active) widest = std::max(widest, start[e + 1] - start[e]);
+  const int64_t padded = total + kvferry_cpu::brgemm_slack(widest);
   std::vector<float> xs(pairs || i8 ? 0 : total * H), xsc(i8 ? total : 0), hsc(i8 ? total : 0);
-  std::vector<uint16_t> xb(pairs ? total * H : 0), hb(pairs ? total * I : 0);
-  std::vector<kvferry_cpu::act_t> xq(i8 ? total * H : 0), hq(i8 ? total * I : 0);
+  std::vector<uint16_t> xb(pairs ? padded * H : 0), hb(pairs ? padded * I : 0);
+  std::vector<kvferry_cpu::act_t> xq(i8 ? padded * H : 0), hq(i8 ? padded * I : 0);
   auto h13 = at::empty({total, 2 * I}, opts), y = at::empty({total, H}, opts);
   const float* xp = x.data_ptr<float>();
   float *xsp = xs.data(), *hp = h13.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
@@ -963,7 +1078,7 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     });
   }
   over_experts(2 * I, [&](int64_t e, int64_t b0, int64_t b1) {
-    expert_gemm(w13, e, Rows{xsp, H, xb.data(), xq.data(), xsc.data()}, H, 2 * I, hp, b0, b1);
+    expert_gemm(w13, e, Rows{xsp, H, xb.data(), xq.data(), xsc.data(), padded > total}, H, 2 * I, hp, b0, b1);
   });
   at::parallel_for(0, total, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -976,7 +1091,7 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   });
   // the down projection reads the SiLU*up half of h13 in place (row stride 2I), or its bf16 / int8 copy
   over_experts(H, [&](int64_t e, int64_t b0, int64_t b1) {
-    expert_gemm(w2, e, Rows{hp, 2 * I, hb.data(), hq.data(), hsc.data()}, I, H, yp, b0, b1);
+    expert_gemm(w2, e, Rows{hp, 2 * I, hb.data(), hq.data(), hsc.data(), padded > total}, I, H, yp, b0, b1);
   });
   const float* wtp = weights.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
@@ -1069,6 +1184,11 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("pack_weight_int8(Tensor q, Tensor scale) -> Tensor");
   m.def("has_int8_dot() -> bool", &has_int8_dot);
   m.def("int8_act_qmax() -> int", &int8_act_qmax);
+  m.def("set_brgemm_min_rows(int rows) -> int", &set_brgemm_min_rows);
+  m.def("brgemm_min_rows() -> int", &brgemm_min_rows);
+  m.def("amx_could_pack() -> bool", &amx_could_pack);
+  m.def("brgemm_runs() -> bool", &brgemm_runs);
+  m.def("brgemm_layout_check() -> int[]", &brgemm_layout_check);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def(

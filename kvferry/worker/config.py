@@ -63,3 +63,12 @@ class WorkerConfig:
     dist_init: str | None = field(
         default=None, metadata=meta("HOST:PORT of the group's TCPStore (hosted by rank 0)", launcher=True)
     )
+    host_share_dir: str = field(
+        default="",
+        metadata=meta(
+            "a directory on this host's tmpfs that the prefill and decode workers sharing its cores have "
+            "in common: prefill marks there when it computes, decode yields to it (engine.host_share; "
+            "kvferry up sets it where the placement shares cores; empty: off)",
+            launcher=True,
+        ),
+    )

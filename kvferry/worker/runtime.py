@@ -117,6 +117,8 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     servicer = role.servicer(engine, pool, worker_id, group)
     servicer.max_streams = args.max_concurrent_streams or default_max_streams(cfg.max_num_seqs)
     role.configure(servicer, pool_cfg)
+    if args.host_share_dir:
+        servicer.loop.share_host(args.host_share_dir, role.name, cfg.decode_yield_ms)
     server = AioServer(
         lambda s: role.add_to_server(servicer, s), service_names(role.descriptor), args.host, args.port
     )

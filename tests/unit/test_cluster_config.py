@@ -133,15 +133,23 @@ def test_ray_settings_and_resources_survive_the_round_trip_the_ray_controller_ta
 
 def test_host_placement():
     """prefill-first: prefill ranks share every core, decode keeps its even share in the background
-    wherever they overlap; even: cores // processes for all; colocated: the even share."""
+    wherever they overlap (paced, yielding to prefill, both joining the host's share directory); even:
+    cores // processes for all; colocated: the even share."""
     from kvferry.deploy.config import Placement
+
+    def shared_decode(threads: int) -> Placement:
+        return Placement(threads, background=True, step_interval_ms=40.0, yield_ms=50.0, shares=True)
 
     cfg = ClusterConfig()
     assert cfg.host_placement(2) == {
-        "prefill": Placement(2, passive_wait=True),
-        "decode": Placement(1, background=True, step_interval_ms=40.0),  # paced: it shares the cores
+        "prefill": Placement(2, passive_wait=True, shares=True),
+        "decode": shared_decode(1),
     }
     assert cfg.host_placement(2)["decode"].command(["python"]) == ["nice", "-n", "19", "python"]
+    assert cfg.host_placement(2)["decode"].engine_defaults() == {
+        "decode_step_interval_ms": 40.0,
+        "decode_yield_ms": 50.0,
+    }
     assert cfg.host_placement(2)["prefill"].env() == {
         "KVFERRY_NUM_THREADS": "2",
         "OMP_WAIT_POLICY": "PASSIVE",
@@ -153,10 +161,10 @@ def test_host_placement():
     assert replace(cfg, colocated=True).host_placement(2) == {"decode": Placement(2)}
     tp2 = cluster_config_from_dict({"prefill": {"tensor_parallel_size": 2}, "decode": {"replicas": 2}})
     assert tp2.host_placement(16) == {
-        "prefill": Placement(8, passive_wait=True),
-        "decode": Placement(4, background=True, step_interval_ms=40.0),
+        "prefill": Placement(8, passive_wait=True, shares=True),
+        "decode": shared_decode(4),
     }
-    assert tp2.host_placement(1)["decode"] == Placement(1, background=True, step_interval_ms=40.0)
+    assert tp2.host_placement(1)["decode"] == shared_decode(1)
     with pytest.raises(ClusterConfigError, match="placement must be one of"):
         cluster_config_from_dict({"placement": "random"})
 
@@ -174,6 +182,22 @@ def test_launcher_defaults_fill_only_the_engine_settings_the_file_leaves_unset()
     assert interval(ClusterConfig()) == "40.0"
     assert interval(cluster_config_from_dict({"decode": {"decode_step_interval_ms": 0}})) == "0"
     assert "--decode-step-interval-ms" not in worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h")
+    # the shared placement: the yield bound and the host's share directory reach the worker's flags
+    placement = ClusterConfig().host_placement(2)["decode"]
+    argv = worker_argv(
+        ClusterConfig(),
+        "decode",
+        0,
+        "d",
+        "tiny",
+        "h",
+        placement.engine_defaults(),
+        host_share_dir="/dev/shm/x",
+    )
+    assert argv[argv.index("--decode-yield-ms") + 1] == "50.0"
+    assert argv[argv.index("--host-share-dir") + 1] == "/dev/shm/x"
+    alone = worker_argv(ClusterConfig(), "decode", 0, "d", "tiny", "h")
+    assert alone[alone.index("--host-share-dir") + 1] == ""  # off
 
 
 def test_every_group_writes_the_pools_layout(tiny_model_dir):
