@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MARK = struct.Struct("q")
 STALE_S = 10.0  # a mark not renewed for this long is a dead or hung prefill's: ignored
 RESCAN_S = 1.0  # how often a decode rank lists the directory for prefill ranks that came or went
-POLL_S = 0.0005  # a yielding decode rank looks at the marks this often
+POLL_S = 0.001  # a yielding decode rank looks at the marks this often
 
 
 class PrefillMark:
@@ -43,9 +43,13 @@ class PrefillMark:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / f"prefill.{os.getpid()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # no O_TRUNC: a decode rank may still map the file of a dead process that had this pid (shrinking it
+        # would fault that reader); the 8 bytes are written before they are mapped, so a full tmpfs fails
+        # here (OSError) instead of faulting the engine loop at its first mark
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, MARK.size)
+            if os.pwrite(fd, MARK.pack(0), 0) != MARK.size:
+                raise OSError(f"cannot write the prefill mark {self.path}")
             self._map = mmap.mmap(fd, MARK.size)
         finally:
             os.close(fd)
@@ -101,7 +105,8 @@ class HostPrefill:
 
     def wait_idle(self, deadline: float, stopped) -> float:
         """Hold back until no prefill rank computes, `deadline` (time.perf_counter) passes, or the
-        event `stopped` is set; returns the seconds held back."""
+        event `stopped` is set; returns the seconds held back. (The inbox waits meanwhile: a call
+        submitted to the loop runs at most the bound later.)"""
         start = time.perf_counter()
         while self.busy() and time.perf_counter() < deadline and not stopped.wait(POLL_S):
             pass
@@ -113,8 +118,10 @@ class HostPrefill:
             names = {entry.name for entry in os.scandir(self.directory)}
         except OSError:
             names = set()
-        for name in set(self._maps) - names:
-            self._maps.pop(name).close()
+        for name in list(self._maps):
+            pid = _pid_of(name)
+            if name not in names or pid is None or not _alive(pid):
+                self._maps.pop(name).close()
         for name in names - set(self._maps):
             pid = _pid_of(name)
             if pid is None:

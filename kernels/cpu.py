@@ -8,8 +8,8 @@ False where they cannot serve (another CPU, no compiler), and callers keep the p
 with AVX512-BF16 the build adds a GEMM over bf16 weights packed in k pairs (`pack_weight_bf16_pairs`)
 that rounds the activations to bf16 and multiplies with vdpbf16ps: what `--dtype bfloat16` runs there.
 
-On CPUs with AMX (amx_bf16, amx_int8, amx_tile) the bf16 and int8 GEMMs of `AMX_MIN_ROWS` rows or more
-(prefill, batched decode, busy experts), and the bf16 prefill attention's QK^T and PV, run through oneDNN's
+On CPUs with AMX (amx_bf16, amx_int8, amx_tile) the bf16 and int8 GEMMs (every one: `AMX_MIN_ROWS` = 1),
+and a bf16 model's prefill attention products (QK^T and PV), run through oneDNN's
 brgemm microkernel on AMX tiles instead (`cpu/brgemm.h`): the same packed weights, blocks and threads, so
 nothing is packed twice and the AVX-512 loops stay the fallback. `load()` turns that path on only where
 oneDNN can pack for AMX and a self-check passes (`amx_self_check`: bf16 within float32 rounding of the
@@ -223,8 +223,8 @@ def select_amx() -> bool:
     return True
 
 
-# (M, K, N): row tails of the 32-row blocks, a partial last column block, K not a multiple of the tiles' 32
-SELF_CHECK_SHAPES = ((9, 64, 16), (33, 136, 40), (70, 256, 100))
+# (M, K, N): row tails, a partial last column block, K not a multiple of the tiles' 32, full 64-row calls
+SELF_CHECK_SHAPES = ((9, 64, 16), (33, 136, 40), (70, 256, 100), (130, 128, 24))
 
 
 def amx_self_check(layout: bool = True) -> str | None:
@@ -256,16 +256,19 @@ def amx_self_check(layout: bool = True) -> str | None:
                 if name == "bf16" and not torch.allclose(tiles, loops, rtol=1e-4, atol=1e-4):
                     err = (tiles - loops).abs().max().item()
                     return f"bf16 {m}x{kk}x{n}: max difference {err:.3g} from the AVX-512 loop"
-        hq, hkv, d, bs, context, q_len = 8, 2, 64, 16, 150, 70
-        k_cache, v_cache = torch.randn(2, hkv, 12, bs, d, generator=gen)
-        table, q = torch.randperm(12, generator=gen)[:10], torch.randn(q_len, hq, d, generator=gen)
-        k.set_brgemm_min_rows(0)
-        loops = k.paged_prefill_attention(q, k_cache, v_cache, table, context, 0.125, True)
-        k.set_brgemm_min_rows(1)
-        tiles = k.paged_prefill_attention(q, k_cache, v_cache, table, context, 0.125, True)
-        if not torch.allclose(tiles, loops, rtol=0.02, atol=0.02):
-            err = (tiles - loops).abs().max().item()
-            return f"bf16 prefill attention: max difference {err:.3g} from the float32 kernel"
+        for d in (32, 64, 128):  # head dims the kernel takes: one PV chunk, two (128)
+            hq, hkv, bs, context, q_len = 8, 2, 16, 150, 70
+            k_cache, v_cache = torch.randn(2, hkv, 12, bs, d, generator=gen)
+            table, q = torch.randperm(12, generator=gen)[:10], torch.randn(q_len, hq, d, generator=gen)
+            k.set_brgemm_min_rows(0)
+            loops = k.paged_prefill_attention(q, k_cache, v_cache, table, context, d**-0.5, True)
+            k.set_brgemm_min_rows(1)
+            tiles = k.paged_prefill_attention(q, k_cache, v_cache, table, context, d**-0.5, True)
+            if not torch.allclose(tiles, loops, rtol=0.02, atol=0.02):
+                err = (tiles - loops).abs().max().item()
+                return (
+                    f"bf16 prefill attention (head dim {d}): max difference {err:.3g} from the float32 kernel"
+                )
     finally:
         k.set_brgemm_min_rows(before)
     return None

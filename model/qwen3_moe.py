@@ -194,7 +194,8 @@ class Qwen3MoeModel(nn.Module):
         A float32 model keeps float32 arithmetic. A bfloat16 model is served by the bf16 dot-product GEMM
         where the kernels have it (AVX512-BF16): matmul weights and inputs in bf16, float32 accumulation,
         and everything else (residual stream, norms, attention, KV cache) in float32, so the model's
-        remaining tensors are widened to float32 (exactly). Elsewhere a bf16 model keeps the torch ops.
+        remaining tensors are widened to float32 (exactly); where the kernels' AMX path serves, prefill
+        attention's products run in bf16 too (`bf16_products`). Elsewhere a bf16 model keeps the torch ops.
         `quantization="int8"`: the attention and MLP / expert GEMMs run W8A8 (`quant.py`) whatever the
         dtype; the LM head keeps the dtype's GEMM.
         """

@@ -41,9 +41,9 @@
 
 namespace kvferry_cpu {
 
-// Rows from which a GEMM takes the brgemm path (0: never, the AVX-512 / AVX2 loops serve everything).
-// Below it (decode's few rows: memory-bound) the register-tiled loops keep serving. One process-wide
-// setting, set at load by kernels/cpu.py.
+// Rows from which a GEMM takes the brgemm path (0: never, the AVX-512 / AVX2 loops serve everything). One
+// process-wide setting, set at load by kernels/cpu.py: 1 where the path serves (every GEMM, so a row's
+// result never depends on the rows beside it), 0 elsewhere; tests set others.
 inline std::atomic<int64_t>& brgemm_min_rows_setting() {
   static std::atomic<int64_t> rows{0};
   return rows;
@@ -54,6 +54,20 @@ inline bool brgemm_serves(int64_t M) {
   const int64_t min_rows = brgemm_min_rows_setting().load(std::memory_order_relaxed);
   return min_rows > 0 && M >= min_rows && at::globalContext().userEnabledMkldnn();
 }
+
+// Releases the calling thread's tile state when it goes out of scope, on every exit path (an exception
+// from the microkernel included), so that no other oneDNN user on the thread finds a stale configuration.
+struct BrgemmRelease {
+  BrgemmRelease() = default;
+  BrgemmRelease(const BrgemmRelease&) = delete;
+  BrgemmRelease& operator=(const BrgemmRelease&) = delete;
+  ~BrgemmRelease() {
+    try {
+      at::native::cpublas::brgemm_release(true);
+    } catch (...) {  // nothing to release on this thread, or no ukernel: never throw from here
+    }
+  }
+};
 
 constexpr int64_t BR_M = 64;  // rows per microkernel call at most (four 16-row tiles)
 constexpr int64_t BR_N = 16;  // columns per call: one packed column block (one tile of B, 64 bytes a row)
@@ -79,6 +93,7 @@ inline int64_t brgemm_slack(int64_t M) { return brgemm_serves(M) ? BR_SLACK : 0;
 // column blocks)
 inline void brgemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const uint16_t* w, int64_t N, float* out,
                                int64_t ldo, int64_t b0, int64_t b1) {
+  BrgemmRelease release;
   alignas(64) float c[BR_M * BR_N];
   const int64_t rows = call_rows(M);
   const auto* A = reinterpret_cast<const at::BFloat16*>(xb);
@@ -92,7 +107,6 @@ inline void brgemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const 
         std::memcpy(o + r * ldo, c + r * BR_N, ncols * sizeof(float));
     }
   }
-  at::native::cpublas::brgemm_release(true);
 }
 
 // column blocks [b0, b1) of out [M, N] = int8 rows xq [M, K] (stored q + I8_OFFSET, scales xs; BR_SLACK rows
@@ -100,6 +114,7 @@ inline void brgemm_bf16_blocks(const uint16_t* xb, int64_t Kp, int64_t M, const 
 // (channel scale * row scale), the arithmetic of tile_i8 / tile_i8_avx2, element by element.
 inline void brgemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_t M, const int8_t* w, int64_t N,
                              float* out, int64_t ldo, int64_t b0, int64_t b1) {
+  BrgemmRelease release;
   alignas(64) int32_t c[BR_M * BR_N];
   const int64_t rows = call_rows(M), block = i8_block_bytes(K);
   const auto* A = reinterpret_cast<const unsigned char*>(xq);
@@ -121,7 +136,6 @@ inline void brgemm_i8_blocks(const act_t* xq, const float* xs, int64_t K, int64_
       }
     }
   }
-  at::native::cpublas::brgemm_release(true);
 }
 
 }  // namespace kvferry_cpu

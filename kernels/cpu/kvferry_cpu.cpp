@@ -7,8 +7,8 @@
 // Packed weights: a [K, N] input-major matrix is stored as [ceil(N/16), K, 16] (column blocks of 16), so
 // the GEMM streams each block's K x 16 floats front to back. Expert stacks [E, K, N] pack per expert.
 //
-// On CPUs with AMX the bf16-pair and int8 GEMMs of enough rows (prefill, batched decode, busy experts) run
-// each column block through oneDNN's brgemm microkernel instead of the register-tiled loops: same packed
+// On CPUs with AMX the bf16-pair and int8 GEMMs (all of them, so a row's result never depends on its batch)
+// run each column block through oneDNN's brgemm microkernel instead of the register-tiled loops: same packed
 // weights, same threads and blocks (brgemm.h; chosen at load by kernels/cpu.py).
 
 #include <ATen/ATen.h>

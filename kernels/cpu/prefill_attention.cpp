@@ -247,6 +247,7 @@ void attend_brgemm(const float* qp, int64_t q_stride, int64_t T, int64_t hq, int
   pack_kv_bf16(kc, vc, hkv, head_stride, offsets, context_len, D, NV, kblocks, kp, vp);
   const int64_t group = hq / hkv, rows = T * group, qblocks = (rows + BQ - 1) / BQ;
   at::parallel_for(0, hkv * qblocks, 1, [&](int64_t i0, int64_t i1) {
+    kvferry_cpu::BrgemmRelease release;  // this thread's tiles, on every way out
     std::vector<at::BFloat16> qb(BQ * D);
     std::vector<float> o(BQ * D);
     alignas(64) float s[BQ * BK];
@@ -316,7 +317,6 @@ void attend_brgemm(const float* qp, int64_t q_stride, int64_t T, int64_t hq, int
         for (int64_t c = 0; c < D; ++c) dst[c] = o[r * D + c] * inv;
       }
     }
-    at::native::cpublas::brgemm_release(true);
   });
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -55,10 +56,20 @@ def test_the_mark_of_a_killed_prefill_is_removed(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
-    host.close()
-    fresh = HostPrefill(tmp_path)  # a rescan finds the file of a process that is gone: removed
-    assert not fresh.busy()
+    assert host.busy()  # its mark is fresh: until the next rescan it still counts
+    host._scanned = float("-inf")  # the rescan (every RESCAN_S) finds its process gone: dropped, removed
+    assert not host.busy()
     assert list(tmp_path.iterdir()) == []
+    host.close()
+
+
+def test_a_new_prefill_with_a_dead_ones_pid_does_not_shrink_its_file(tmp_path):
+    """No O_TRUNC: the file keeps its 8 bytes (a reader still mapping it would fault on a shorter one)."""
+    stale = tmp_path / f"prefill.{os.getpid()}"
+    stale.write_bytes(MARK.pack(12345))
+    mark = PrefillMark(tmp_path)
+    assert stale.stat().st_size == MARK.size and MARK.unpack(stale.read_bytes())[0] == 0
+    mark.close()
 
 
 def test_wait_idle_returns_when_the_prefill_is_done_or_at_the_deadline(tmp_path):
