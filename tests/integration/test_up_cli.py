@@ -127,8 +127,9 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
             )
             assert nobody.returncode == 2 and "no kvferry up serves namespace 'x'" in nobody.stderr
             # SIGTERM with requests in flight: the workers drain before the router goes. Long enough
-            # (seconds of decode) to be seen in flight by the heartbeat that the loop below reads.
-            longer = build_request("def fibonacci(n):", max_tokens=1500, temperature=0.0, ignore_eos=True)
+            # (seconds of decode) to be seen in flight by the heartbeat (1 s) that the loop below reads:
+            # with 1500 tokens of the tiny model one CI run never saw both (ended between beats, likely)
+            longer = build_request("def fibonacci(n):", max_tokens=3000, temperature=0.0, ignore_eos=True)
             with ThreadPoolExecutor(2) as pool:
                 last = [pool.submit(client.generate, longer, 120) for _ in range(2)]
                 meta = MetadataStore(redis_url, "default")
@@ -138,7 +139,7 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
                     "the requests to reach the decode worker",
                 )
                 proc.send_signal(signal.SIGTERM)
-                assert [f.result().finished.output_tokens for f in last] == [1500, 1500]
+                assert [f.result().finished.output_tokens for f in last] == [3000, 3000]
         assert proc.wait(60) == 0
         output = "".join(lines) + proc.stderr.read()
         assert password not in output and "restart" not in output  # a clean stop restarts nothing
