@@ -57,6 +57,7 @@ from kvferry.deploy.restarts import RestartBudget
 from kvferry.flags import SETTINGS, config_flags
 from kvferry.kvpool.config import WORKER_SETTINGS
 from kvferry.kvpool.metadata import REDIS_URL_ENV, mask_url
+from kvferry.kvpool.shm import SHM_DIR
 from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
@@ -71,8 +72,8 @@ SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
 
 
 def shm_dir() -> str | None:
-    """Where a host's share directory goes: its tmpfs (/dev/shm), else the temp directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    """Where a host's share directory goes: its tmpfs (the pool's SHM_DIR), else the temp directory."""
+    return str(SHM_DIR) if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else None
 
 
 def placement_env(placement: Placement, environ=os.environ) -> dict[str, str]:
