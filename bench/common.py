@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,25 @@ def baseline_python(rev: str, where: Path) -> str:
     if not all(f.startswith(str(src)) for f in found):
         raise SystemExit(f"the baseline venv imports kvferry from {found}, not {src}")
     return str(python)
+
+
+def baseline_argv(python: str, argv: list[str]) -> list[str]:
+    """`argv` (`python -m MODULE --flag value ...`, this checkout's spelling) for the baseline's MODULE:
+    the flags its parser does not know (settings added since) are left out, each with its value."""
+    module = argv[argv.index("-m") + 1]
+    ask = [python, "-m", module, "--help"]
+    usage = subprocess.run(ask, capture_output=True, text=True, check=True).stdout
+    known = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", usage))
+    out, i = [python, *argv[1 : argv.index("-m") + 2]], argv.index("-m") + 2
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        values = []
+        while i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if arg.split("=", 1)[0] in known:
+            out += [arg, *values]
+    return out
 
 
 def remove_worktree(where: Path) -> None:

@@ -34,14 +34,15 @@ API_KEY = "reliability-api-key"
 
 def table(results: list[ScenarioResult]) -> str:
     head = (
-        "| scenario | sent | correct | failed cleanly (codes) | wrong tokens | hung | leaked | s | "
-        "expected | pass |\n|---|---:|---:|---|---:|---:|---:|---:|---|---|\n"
+        "| scenario | sent | correct | resumed | failed cleanly (codes) | wrong tokens | hung | leaked | s | "
+        "expected | pass |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|\n"
     )
     rows = []
     for r in results:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(r.codes.items())) or "-"
         rows.append(
-            f"| {r.name} | {r.sent} | {r.ok} | {r.failed} ({codes}) | {r.wrong} | {r.hung} | {r.leaked} "
+            f"| {r.name} | {r.sent} | {r.ok} | {r.resumed} | {r.failed} ({codes}) | {r.wrong} | {r.hung} "
+            f"| {r.leaked} "
             f"| {r.seconds:.0f} | {r.expectation} | {'yes' if r.passed else 'NO'} |"
         )
     return head + "\n".join(rows) + "\n"

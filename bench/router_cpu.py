@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import baseline_python, bench_model_dir, print_result, remove_worktree
+from common import baseline_argv, baseline_python, bench_model_dir, print_result, remove_worktree
 
 from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster, router_argv
@@ -63,8 +63,8 @@ def start_baseline_router(cluster: LocalCluster, python: str) -> tuple[str, str,
     """The baseline router on the cluster's Redis and namespace: (gRPC address, HTTP URL, pid)."""
     host = "127.0.0.1"
     port, http_port = free_port(host), free_port(host)
-    argv = router_argv(cluster.cfg, str(cluster.model_dir), host, port, http_port)
-    child = cluster._spawn("router-baseline", [python, *argv[1:]])
+    argv = baseline_argv(python, router_argv(cluster.cfg, str(cluster.model_dir), host, port, http_port))
+    child = cluster._spawn("router-baseline", argv)
     addr = f"{host}:{port}"
     wait_until_ready(addr, cluster.want, time.monotonic() + 120, **cluster.probe_args())
     return addr, f"http://{host}:{http_port}", child.proc.pid

@@ -12,15 +12,26 @@ expert-parallel group serves its own requests and steps in lock-step with the ot
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 
 import grpc
 
 from kvferry.convert import logprobs_to_proto, sampling_from_proto, structured_from_proto
-from kvferry.decode_worker.handoff import EarlyAborts, KVPull, LoopQueue, Stream
+from kvferry.decode_worker.handoff import (
+    DISCARD,
+    TAKEN_OVER,
+    EarlyAborts,
+    KVPull,
+    LinkOut,
+    LinkSink,
+    LoopQueue,
+    Stream,
+)
 from kvferry.decode_worker.lockstep import LockStep
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
@@ -36,6 +47,9 @@ from kvferry.worker.stages import Done, TransferStage
 
 log = logging.getLogger(__name__)
 
+MAX_DETACH_GRACE_S = 300.0  # the longest a detached stream is held, whatever its router asked
+MAX_FINISHED_KEPT = 4096  # finished detachable streams kept for a resume (their tokens only), at most
+
 
 class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     role = "decode"
@@ -43,6 +57,10 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, pool: PoolClient, worker_id: str, group: Group | None = None):
         super().__init__(engine, pool, worker_id, group)
         self.streams: dict[str, Stream] = {}
+        self.detached_any = False  # some stream is detached (its grace is checked in _poll)
+        self.link_tasks: set[asyncio.Task] = set()  # Relay links' starts in progress
+        # detachable streams that finished, kept (tokens only) for their grace: a resume finds them
+        self.finished_streams: OrderedDict[str, Stream] = OrderedDict()
         self.early_aborts = EarlyAborts()  # aborted before their Decode call arrived
         # an expert-parallel rank steps in lock-step with the rest of its group
         self.lockstep = LockStep(engine, self.group.comm) if self.group.size > 1 else None
@@ -103,39 +121,115 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             spec = structured_from_proto(request.sampling.structured)
             stream.matcher = await self.compile_structured(request, spec, context)
             self.loop.submit(lambda: self._admit(stream))
-            finished = False
-            try:
-                while not finished:
-                    item = await stream.out.get()
-                    if isinstance(item, Exception):  # the engine side has dropped the stream already
-                        finished = True
-                        if isinstance(item, InvalidRequestError):
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                        await context.abort(
-                            grpc.StatusCode.INTERNAL, f"decode of {request.request_id} failed: {item}"
-                        )
-                    finished = bool(item.finish_reason)
-                    yield item
-            finally:
-                if not finished:  # the call ended first (cancelled, deadline): its request goes too
-                    self.loop.submit(lambda: self._cancel(stream))
+            async for item in self._pump(stream, stream.out, context):
+                yield item
+
+    async def Relay(self, requests, context):
+        """A router's one link for all its streams here: starts and cancels come in, and every wake-up
+        of the loop sends one batch with every message the engine made since (one per step)."""
+        link = LinkOut()
+        reader = asyncio.create_task(self._read_link(requests, link))
+        try:
+            while True:
+                batch = worker_pb2.RelayBatch()
+                for rid, item in await link.take():
+                    if isinstance(item, worker_pb2.DecodeResponse):
+                        batch.items.add(request_id=rid, response=item)
+                    else:
+                        code, details = _refusal(rid, item)
+                        batch.items.add(request_id=rid, error_code=code.value[0], error=details)
+                if batch.items:
+                    yield batch
+        finally:  # the router went away (or this worker stops): its streams are held, or aborted
+            link.closed = True
+            reader.cancel()
+            self.loop.submit(lambda: self._link_ended(link))
+
+    async def _read_link(self, requests, link: LinkOut) -> None:
+        async for request in requests:
+            kind = request.WhichOneof("kind")
+            if kind == "start":  # (its own task: a grammar to compile holds up no other start)
+                task = asyncio.create_task(self._start_linked(request.start, link))
+                self.link_tasks.add(task)
+                task.add_done_callback(self.link_tasks.discard)
+            elif kind == "cancel":
+                rid = request.cancel
+                self.loop.submit(lambda rid=rid: self._cancel_linked(rid, link))
+
+    async def _start_linked(self, request, link: LinkOut) -> None:
+        stream = Stream(request, LinkSink(link, request.request_id))
+        try:
+            spec = structured_from_proto(request.sampling.structured)
+            stream.matcher = await self.compile_structured(request, spec, _Refuse())
+        except (StreamRefused, InvalidRequestError) as err:
+            link.put(request.request_id, err)
+            return
+        self.loop.submit(lambda: self._admit(stream))
+
+    async def Attach(self, request, context):
+        """Take over a detached stream (its router died) for the caller's router: its request and every
+        token so far first, then the rest as it comes."""
+        async with self.stream_slot(context):
+            out = LoopQueue()
+            found = await self.call(context, lambda: self._attach(request.request_id, request.owner, out))
+            if found is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not held here"
+                )
+            stream, first = found
+            yield first
+            if first.finish_reason:
+                return
+            async for item in self._pump(stream, out, context):
+                yield item
+
+    async def _pump(self, stream: Stream, out: LoopQueue, context):
+        """Relay the engine thread's messages of `stream` (through `out`, its call's queue) to the call.
+        A call that ends before the stream (cancelled, its deadline passed, its router gone) detaches a
+        detachable stream, else aborts its request; a stream moved to another call (Attach) ends here."""
+        finished = False
+        try:
+            while not finished:
+                item = await out.get()
+                if item is TAKEN_OVER:
+                    finished = True
+                    return
+                if isinstance(item, Exception):  # the engine side has dropped the stream already
+                    finished = True
+                    if isinstance(item, InvalidRequestError):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"decode of {stream.request.request_id} failed: {item}"
+                    )
+                finished = bool(item.finish_reason)
+                yield item
+        finally:
+            if not finished:  # the call ended first: its request goes too, or waits for a resume
+                expired = (context.time_remaining() or 0.0) <= 0.05
+                self.loop.submit(lambda: self._call_ended(stream, out, expired))
 
     async def Abort(self, request, context):
-        found = await self.call(context, lambda: self._abort(request.request_id))
+        owner = request.owner if request.check_owner else None
+        found = await self.call(context, lambda: self._abort(request.request_id, owner))
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def _stats(self) -> worker_pb2.WorkerStats:
+        c = self.counters
         return super()._stats(
             expert_load=self.lockstep.expert_load() if self.lockstep is not None else None,
-            prompt_tokens_computed=self.counters["recomputed_tokens"],
+            prompt_tokens_computed=c["recomputed_tokens"],
             waiting_for_kv=len(self.prealloc) + len(self.transfer),
+            detached=sum(s.detached_until is not None for s in self.streams.values()),
+            detached_total=c["detached"],
+            resumed=c["resumed"],
+            detach_expired=c["detach_expired"],
         )
 
     # -- engine thread: admission and the hand-off stages -----------------------------------------------
     def _admit(self, stream: Stream) -> None:
         r = stream.request
         params = replace(sampling_from_proto(r.sampling), stop=())  # stop strings are the router's
-        if self.early_aborts.take(r.request_id):  # aborted before it got here
+        if self.early_aborts.take(r.request_id, owner=r.resume.owner):  # aborted before it got here
             self._release_unpulled(stream)
             stream.out.put(worker_pb2.DecodeResponse(finish_reason="abort"))
             return
@@ -147,6 +241,10 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         stream.req.output_offset = max(0, min(r.output_offset, stream.req.num_prompt_tokens - 1))
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
+        if isinstance(stream.out, LinkSink) and stream.out.link.closed:  # its router went away meanwhile
+            self._call_ended(stream, stream.out, expired=False)
+            if self.streams.get(r.request_id) is not stream:
+                return
         if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
             self.engine.submit(stream.req)  # (its first message reports prefix-cache hits, no hand-off)
             return
@@ -155,7 +253,13 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         self._start_pulls()
 
     def _poll(self) -> bool:
-        """The engine loop's idle hook: finished pulls join the engine; the prealloc queue moves on."""
+        """The engine loop's idle hook: finished pulls join the engine; the prealloc queue moves on;
+        detached streams past their grace go."""
+        if self.detached_any:
+            self._expire_detached()
+        now = time.monotonic()
+        while self.finished_streams and next(iter(self.finished_streams.values())).detached_until <= now:
+            self.finished_streams.popitem(last=False)
         finished, abandoned = self.transfer.poll()
         for done in finished:
             self._kv_ready(done)
@@ -231,12 +335,17 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
 
     # -- engine thread: outputs, failures, aborts -------------------------------------------------------
     def _on_outputs(self, outputs) -> None:
+        links: set[LinkOut] = set()  # the Relay links this step's messages go to: one batch each
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
             stream.held += out.new_token_ids
             stream.held_logprobs += out.logprobs
+            if stream.detached_until is not None:  # nobody streams it: keep it all for the resume
+                if out.finished:
+                    stream.finish_reason = out.finish_reason or "abort"
+                continue
             first = stream.report is not None
             if not (first or out.finished or len(stream.held) >= self.engine.cfg.stream_interval):
                 continue  # held for the next message (the first and the last go at once)
@@ -247,6 +356,9 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             )
             if out.prompt_logprobs is not None:  # colocated: this worker computed the prompt
                 msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+            if stream.request.detach_grace_s > 0:
+                stream.emitted += stream.held
+                stream.emitted_logprobs += stream.held_logprobs
             stream.held, stream.held_logprobs = [], []
             report, stream.report = stream.report, None
             if report is not None:  # the first message
@@ -258,26 +370,121 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 msg.recomputed_tokens = report.recomputed_tokens
                 if stream.request.prefill_here:
                     msg.cached_tokens = stream.req.num_cached_tokens
-            stream.out.put(msg)
+            if out.finished:
+                stream.finish_reason = out.finish_reason or "abort"
+            if isinstance(stream.out, LinkSink):
+                stream.out.link.put(out.request_id, msg, wake=False)
+                links.add(stream.out.link)
+            else:
+                stream.out.put(msg)
             if out.finished:
                 self._forget(out.request_id)
+        for link in links:
+            link.wake()
 
     def failed(self, request_id: str, err: Exception) -> None:
         stream = self.streams[request_id]
         self._forget(request_id)
         stream.out.put(err)
 
-    def _forget(self, request_id: str) -> None:
-        """The request's stream is over: the id is free, and an Abort that comes late leaves nothing."""
-        del self.streams[request_id]
+    def _forget(self, request_id: str, keep: bool = True) -> None:
+        """The request's stream is over: the id is free, and an Abort that comes late leaves nothing.
+        A detachable one that finished (stop, length) is kept a while, its tokens only: its router may
+        die before the client has them all, and a resume then finds them (`_attach`)."""
+        stream = self.streams.pop(request_id)
         self.early_aborts.stream_finished(request_id)
+        if keep and stream.request.detach_grace_s > 0 and stream.finish_reason in ("stop", "length"):
+            grace = min(stream.request.detach_grace_s, MAX_DETACH_GRACE_S)
+            stream.detached_until = time.monotonic() + grace
+            self.finished_streams.pop(request_id, None)
+            self.finished_streams[request_id] = stream
+            while len(self.finished_streams) > MAX_FINISHED_KEPT:
+                self.finished_streams.popitem(last=False)
 
-    def _cancel(self, stream: Stream) -> None:
-        """The Decode call ended before its stream did: abort its request (if it is still this call's;
-        it never leaves an early abort behind)."""
+    def _call_ended(self, stream: Stream, out: LoopQueue, expired: bool) -> None:
+        """The call streaming `stream` (through `out`) ended before the stream did. Unless Attach moved
+        the stream to another call meanwhile: a detachable one whose deadline has not passed is held for
+        a resume (its router died: it decodes on; an Abort, or the grace passing, ends it), any other is
+        aborted (it never leaves an early abort behind)."""
         rid = stream.request.request_id
-        if self.streams.get(rid) is stream:
+        if self.streams.get(rid) is not stream or stream.out is not out:
+            return
+        grace = min(stream.request.detach_grace_s, MAX_DETACH_GRACE_S)
+        if grace <= 0 or expired:
             self._abort(rid)
+            return
+        stream.detached_until = time.monotonic() + grace
+        self.detached_any = True
+        self.counters["detached"] += 1
+        log.info("%s: its call broke; held %.0fs for a resume", rid, grace)
+
+    def _link_ended(self, link: LinkOut) -> None:
+        """A Relay link ended (its router died, or this worker stops): each of its streams is held for
+        a resume (detachable) or aborted, as when a Decode call breaks."""
+        for stream in list(self.streams.values()):
+            if isinstance(stream.out, LinkSink) and stream.out.link is link:
+                self._call_ended(stream, stream.out, expired=False)
+
+    def _cancel_linked(self, request_id: str, link: LinkOut) -> None:
+        """The router stopped reading a stream of its link: abort it (one not here yet: when it comes)."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            self.early_aborts.add(request_id)
+        elif isinstance(stream.out, LinkSink) and stream.out.link is link:
+            self._abort(request_id)
+
+    def _attach(self, request_id: str, owner: str, out: LoopQueue):
+        """Attach: move the stream of `request_id` to a new call (its queue `out`), if it is detachable
+        and `owner` made it; (stream, its first message: the request and every token so far) or None.
+        A stream still on a call (its router's death not noticed yet) is taken from that call."""
+        stream = self.streams.get(request_id)
+        if stream is None:  # finished here: its router may have died before relaying all of it
+            stream = self.finished_streams.get(request_id)
+            if stream is None or not _owned(stream, owner):
+                return None
+            del self.finished_streams[request_id]
+            self.counters["resumed"] += 1
+            return stream, worker_pb2.DecodeResponse(
+                token_ids=stream.emitted,
+                finish_reason=stream.finish_reason,
+                logprobs=logprobs_to_proto(stream.emitted_logprobs),
+                attached=stream.request,
+            )
+        if stream.request.detach_grace_s <= 0 or stream.req is None:
+            return None
+        if not _owned(stream, owner):
+            return None
+        if stream.detached_until is None:
+            stream.out.put(TAKEN_OVER)
+        stream.out, stream.detached_until = out, None
+        stream.emitted += stream.held
+        stream.emitted_logprobs += stream.held_logprobs
+        stream.held, stream.held_logprobs = [], []
+        first = worker_pb2.DecodeResponse(
+            token_ids=stream.emitted,
+            finish_reason=stream.finish_reason,
+            logprobs=logprobs_to_proto(stream.emitted_logprobs),
+            attached=stream.request,
+        )
+        stream.report = None  # the first message went with the request's first call
+        self.counters["resumed"] += 1
+        if stream.finish_reason:  # it finished while detached: this message is its last
+            self._forget(request_id, keep=False)
+        return stream, first
+
+    def _expire_detached(self) -> None:
+        """Abort the detached streams nobody resumed within their grace (their blocks are freed)."""
+        now, left = time.monotonic(), False
+        for rid, stream in list(self.streams.items()):
+            if stream.detached_until is None:
+                continue
+            if stream.detached_until > now:
+                left = True
+                continue
+            self.counters["detach_expired"] += 1
+            log.info("%s: not resumed within its grace; aborted", rid)
+            self._abort(rid)
+        self.detached_any = left
 
     def _release_unpulled(self, stream: Stream) -> None:
         """A request aborted before its pull: free its private tail in the pool now (a pull would have
@@ -285,11 +492,23 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if stream.request.blocks and not stream.request.prefill_here:
             self.transfers.submit(self.pool.release, stream.request.request_id)
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, owner: str | None = None) -> bool:
+        """Abort a request (`owner`: only if that owner's, ResumeInfo.owner). One not here yet is
+        remembered a while: its Decode call may still be on its way."""
         stream = self.streams.get(request_id)
         if stream is None:
-            self.early_aborts.add(request_id)  # its Decode call may still be on its way
+            kept = self.finished_streams.get(request_id)  # finished: nothing to resume any more
+            if kept is not None and (owner is None or _owned(kept, owner)):
+                del self.finished_streams[request_id]
+            self.early_aborts.add(request_id, owner=owner)
             return False
+        if owner is not None and not _owned(stream, owner):
+            return False
+        if stream.detached_until is not None:  # no call streams it: its last message goes nowhere
+            stream.detached_until, stream.out = None, DISCARD
+            if stream.finish_reason:  # it finished while detached: only its tokens were kept
+                self._forget(request_id, keep=False)
+                return True
         if stream in self.prealloc:
             self.prealloc.remove(stream)
             self._release_unpulled(stream)
@@ -297,6 +516,37 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             self.transfer.discard(request_id)
         self.engine.abort(request_id)  # its last message ("abort") goes out with the engine's outputs
         return True
+
+
+def _owned(stream: Stream, owner: str) -> bool:
+    """Whether `owner` (kvferry.auth.owner_of of a caller's key) made the stream's request."""
+    return hmac.compare_digest(stream.request.resume.owner.encode(), owner.encode())
+
+
+class StreamRefused(Exception):
+    """A stream started on a Relay link that is refused before it runs (its status code, its reason)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Refuse:
+    """What a linked stream's checks abort through (as a call's context): a refusal of that stream."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, *args, **kw):
+        raise StreamRefused(code, details)
+
+
+def _refusal(request_id: str, item) -> tuple[grpc.StatusCode, str]:
+    """The status of a linked stream that ended with `item` instead of a message."""
+    if item is TAKEN_OVER:
+        return grpc.StatusCode.ABORTED, f"{request_id} was taken over by another router (a resume)"
+    if isinstance(item, StreamRefused):
+        return item.code, item.details
+    if isinstance(item, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(item)
+    return grpc.StatusCode.INTERNAL, f"decode of {request_id} failed: {item}"
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:

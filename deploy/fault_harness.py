@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -292,7 +293,16 @@ class Outcome:
 class Load:
     """Runs Jobs against the router, `concurrency` at a time, each on its own stream with a deadline."""
 
-    def __init__(self, addr: str, prompts: list[list[int]], refs: list[list[int]], concurrency: int = 8):
+    def __init__(
+        self,
+        addr: str,
+        prompts: list[list[int]],
+        refs: list[list[int]],
+        concurrency: int = 8,
+        resume: bool = False,
+    ):
+        self.resume = resume  # a stream its router dropped is resumed (GenerateRequest.resume)
+        self.resumed = 0  # streams resumed (or, broken before their decode, sent again)
         self.channel = rpc.channel(addr)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.prompts, self.refs = prompts, refs
@@ -327,38 +337,52 @@ class Load:
         with self._lock:
             self.started += 1
         request = generate_pb2.GenerateRequest(
-            request_id=job.request_id,
+            request_id=job.request_id or (f"job-{uuid.uuid4().hex}" if self.resume else ""),
             token_ids=generate_pb2.TokenIds(ids=self.prompts[job.prompt]),
             sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True),
         )
         ref = self.refs[job.prompt][: job.max_tokens]
         t0 = time.monotonic()
-        timers = []
-        call = self.stub.Generate(request, timeout=job.deadline_s)
-        if job.cancel_after_s is not None:
-            timers.append(threading.Timer(job.cancel_after_s, call.cancel))
-        if job.abort_after_s is not None:
-            timers.append(threading.Timer(job.abort_after_s, self._abort, (job.request_id,)))
-        for timer in timers:
-            timer.start()
         got: list[int] = []
         reason = None
-        try:
-            for msg in call:
-                got += msg.token_ids
-                with self._lock:
-                    self.tokens += len(msg.token_ids)
-                if got != ref[: len(got)]:
-                    call.cancel()
-                    return Outcome("wrong", "", len(got), time.monotonic() - t0, f"{got} != {ref}")
-                if msg.HasField("finished"):
-                    reason = msg.finished.finish_reason
-        except grpc.RpcError as err:
-            code = err.code().name
-            return self._failed(job, code, len(got), time.monotonic() - t0, err.details() or "")
-        finally:
+        attempt, resumes = request, 0
+        while True:  # resumed (self.resume) as kvferry.router.client does when its router goes away
+            timers = []
+            left = max(0.1, job.deadline_s - (time.monotonic() - t0))
+            call = self.stub.Generate(attempt, timeout=left, wait_for_ready=resumes > 0)
+            if job.cancel_after_s is not None:
+                timers.append(threading.Timer(job.cancel_after_s, call.cancel))
+            if job.abort_after_s is not None:
+                timers.append(threading.Timer(job.abort_after_s, self._abort, (job.request_id,)))
             for timer in timers:
-                timer.cancel()
+                timer.start()
+            try:
+                for msg in call:
+                    got += msg.token_ids
+                    with self._lock:
+                        self.tokens += len(msg.token_ids)
+                    if got != ref[: len(got)]:
+                        call.cancel()
+                        return Outcome("wrong", "", len(got), time.monotonic() - t0, f"{got} != {ref}")
+                    if msg.HasField("finished"):
+                        reason = msg.finished.finish_reason
+                break
+            except grpc.RpcError as err:
+                code = err.code()
+                if self.resume and resumes < 3 and code == grpc.StatusCode.UNAVAILABLE:
+                    attempt = generate_pb2.GenerateRequest(
+                        request_id=request.request_id, resume=generate_pb2.Resume(tokens=len(got))
+                    )
+                elif self.resume and resumes and code == grpc.StatusCode.NOT_FOUND and not got:
+                    attempt = request  # it broke before its decode began: sent again whole
+                else:
+                    return self._failed(job, code.name, len(got), time.monotonic() - t0, err.details() or "")
+                resumes += 1
+                with self._lock:
+                    self.resumed += 1
+            finally:
+                for timer in timers:
+                    timer.cancel()
         elapsed = time.monotonic() - t0
         if reason == "abort":
             return self._failed(job, "abort", len(got), elapsed, "")
@@ -394,6 +418,7 @@ class ScenarioResult:
     leak_detail: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    resumed: int = 0  # streams the clients resumed (scenarios whose clients resume)
     examples: list[str] = field(default_factory=list)  # a few details of wrong / hung / unclean ones
     problems: list[str] = field(default_factory=list)  # scenario-specific expectations not met
 

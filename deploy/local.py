@@ -123,6 +123,9 @@ class LocalCluster:
     _stopping: threading.Event = field(default_factory=threading.Event)
     _watcher: threading.Thread | None = None
     _scale_lock: threading.Lock = field(default_factory=threading.Lock)  # one scale at a time
+    routers: list[Child] = field(default_factory=list)  # the router fleet (router.replicas)
+    _router_names: itertools.count = field(default_factory=itertools.count)
+    _router_spec: tuple = ()  # (argv, env) every router runs with
     autoscaler: Autoscaler | None = None  # the planner (cfg.autoscale.enabled)
 
     def say(self, text: str) -> None:
@@ -202,6 +205,8 @@ class LocalCluster:
             self.say,
             **self.probe_args(),
         )
+        pids = {c.proc.pid for c in self.routers}  # every router of the fleet serves, not just one
+        wait_routers(self.redis_url, cfg.namespace, pids, deadline, self._check_alive)
         with self._lock:
             for child in self.children:
                 child.supervised = True
@@ -243,15 +248,62 @@ class LocalCluster:
         return self.ca.issue(self.cfg.cluster_host).env()
 
     def _start_router(self, model: str) -> None:
+        """router.replicas router processes, all on the same gRPC and HTTP ports (SO_REUSEPORT: the
+        kernel spreads new connections among them; clients see one address)."""
         router = self.cfg.router
         host = router.host
         port = router.port or free_port(host)
         http_port = free_port(host) if router.http_port == 0 else router.http_port
         env = {API_KEY_ENV: ",".join(router.api_keys)} if router.api_keys else {}
-        self._spawn("router", router_argv(self.cfg, model, host, port, http_port), env)
+        self._router_spec = (router_argv(self.cfg, model, host, port, http_port), env)
+        for _ in range(router.replicas):
+            self._add_router()
         scheme = "https" if router.ssl_certfile else "http"
         self.router_addr = f"{reachable(host)}:{port}"
         self.http_url = "" if http_port is None else f"{scheme}://{reachable(host)}:{http_port}"
+
+    def _add_router(self) -> Child:
+        n = next(self._router_names)
+        child = self._spawn("router" if n == 0 else f"router-{n}", *self._router_spec)
+        with self._lock:
+            self.routers.append(child)
+        return child
+
+    def live_routers(self) -> list[Child]:
+        with self._lock:
+            return [c for c in self.routers if c.state != "failed"]
+
+    def scale_routers(self, n: int, timeout_s: float = 60.0) -> None:
+        """Run `n` routers: new ones start and register (their heartbeat) before the newest surplus
+        ones leave; a leaving router stops taking connections and finishes its streams (its drain)."""
+        if n < 1:
+            raise scaling.ScaleRefused("a cluster needs at least one router")
+        live = self.live_routers()
+        if n > len(live):
+            started = [self._add_router() for _ in range(n - len(live))]
+            deadline = time.monotonic() + timeout_s
+            try:
+                pids = {c.proc.pid for c in started}
+                check = lambda: self._check_alive(started)  # noqa: E731
+                wait_routers(self.redis_url, self.cfg.namespace, pids, deadline, check)
+            except BaseException:
+                self.retire_routers(started)
+                raise
+            with self._lock:
+                for child in started:
+                    child.supervised = True
+        elif n < len(live):
+            self.retire_routers(live[n:][::-1])
+
+    def retire_routers(self, routers: list[Child]) -> None:
+        with self._lock:
+            for child in routers:
+                child.state = "retiring"
+                self.routers.remove(child)
+        _terminate(routers, self.cfg.router.drain_s + 10)
+        with self._lock:
+            for child in routers:
+                self.children.remove(child)
 
     def probe_args(self) -> dict:
         """How this process reaches the router (wait_until_ready's keywords): the secret, and the
@@ -289,13 +341,19 @@ class LocalCluster:
             live = {role: [c for c in groups if c.state != "failed"] for role, groups in self.groups.items()}
         return len(live["prefill"]), sum(c.size for c in live["decode"]), pool
 
-    def scale(self, prefill: int | None = None, decode: int | None = None) -> None:
+    def scale(
+        self, prefill: int | None = None, decode: int | None = None, routers: int | None = None
+    ) -> None:
         """Set the number of prefill / decode groups (deploy.scaling.scale: new groups register before the
-        newest surplus ones drain and exit; a failed scale kills what it started and raises)."""
+        newest surplus ones drain and exit; a failed scale kills what it started and raises) and of
+        routers (`scale_routers`)."""
         with self._scale_lock:
             if self._stopping.is_set():
                 raise scaling.ScaleRefused("the cluster is stopping")
-            scaling.scale(self, self.cfg, prefill, decode)
+            if prefill is not None or decode is not None:
+                scaling.scale(self, self.cfg, prefill, decode)
+            if routers is not None:
+                self.scale_routers(routers)
 
     def counts(self) -> tuple[int, int]:
         """(prefill, decode) groups that serve or will serve again."""
@@ -509,6 +567,22 @@ def router_argv(cfg: ClusterConfig, model: str, host: str, port: int, http_port:
         served_model_name=cfg.router.served_model_name or (cfg.model,),
     )
     return [sys.executable, "-m", "kvferry.router", *config_flags(router)]
+
+
+def wait_routers(redis_url: str, namespace: str, pids: set[int], deadline: float, check=lambda: None) -> None:
+    """Wait until the routers of these processes hold a live heartbeat in the registry (each registers
+    once it serves; its record names its pid)."""
+    from kvferry.kvpool.metadata import MetadataStore
+
+    meta = MetadataStore(redis_url, namespace)
+    while True:
+        check()
+        have = {info.get("pid") for info in (meta.members("router") or {}).values()}
+        if pids <= have:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{len(pids - have)} of {len(pids)} routers did not register in time")
+        time.sleep(0.1)
 
 
 def redis_env(url: str) -> dict[str, str]:

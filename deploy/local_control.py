@@ -23,11 +23,18 @@ def _launcher_key(namespace: str) -> str:
     return f"kvf:{namespace}:launcher"  # a running `kvferry up` refreshes it every second
 
 
-def request_scale(redis_url: str, namespace: str, prefill: int | None, decode: int | None, timeout_s=600.0):
+def request_scale(
+    redis_url: str,
+    namespace: str,
+    prefill: int | None,
+    decode: int | None,
+    timeout_s=600.0,
+    routers: int | None = None,
+):
     """`kvferry scale` for a local cluster: its `kvferry up` watches this Redis key and answers."""
     import redis
 
-    ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode}
+    ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode, "routers": routers}
     client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
     key = _scale_key(namespace)
     try:
@@ -68,10 +75,11 @@ def _serve_scale_requests(cluster: LocalCluster) -> None:
         try:
             ask = json.loads(raw)
             answer["id"] = ask.get("id")
-            cluster.scale(ask.get("prefill"), ask.get("decode"))
+            cluster.scale(ask.get("prefill"), ask.get("decode"), ask.get("routers"))
         except Exception as err:  # a bad request or a failed scale: answered, the cluster serves on
             answer.update(ok=False, error=str(err))
         answer["groups"] = {role: [c.name for c in cluster.groups[role]] for role in cluster.groups}
+        answer["routers"] = [c.name for c in cluster.live_routers()]
         client.set(key + ":done", json.dumps(answer), ex=600)
     except redis.RedisError as err:  # e.g. redis restarting: asked again in a second
         print(f"kvferry: scale requests: redis: {err}", file=sys.stderr, flush=True)

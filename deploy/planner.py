@@ -3,9 +3,10 @@
 `kvferry up --autoscale` (locally and on Ray) runs an `Autoscaler` beside the launcher. Every
 `interval_s` it reads the cluster's registry in Redis: each router's traffic over its last window
 (`router.traffic`: arrivals per second, the mean prompt tokens a prefill computes after cache and pool
-hits, the mean output tokens, TTFT and TPOT percentiles) and each worker's heartbeat (its fitted step
-cost, `engine.cost_model`, its token budget, queue and KV use). From those it computes what each role
-needs (`needs`):
+hits, the mean output tokens, TTFT and TPOT percentiles), summed over every router of the fleet
+(`Traffic.merge`: rates and predicted misses added, means weighted by each router's share, the worst
+router's percentile), and each worker's heartbeat (its fitted step cost, `engine.cost_model`, its token
+budget, queue and KV use). From those it computes what each role needs (`needs`):
 
 - **prefill** = arrivals/s x the prefill time of the mean uncached prompt, priced by the prefill workers'
   own step model in chunks of their token budget, over `utilization` (a queue kept below it);

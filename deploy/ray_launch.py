@@ -139,6 +139,10 @@ class Supervisor:
         self.launches += 1
         return self.proc.pid
 
+    def pid(self) -> int | None:
+        """The process's pid (None before its launch)."""
+        return None if self.proc is None else self.proc.pid
+
     def poll(self) -> int | None:
         """None while the process runs, its exit code once it ended, NOT_LAUNCHED without one."""
         return NOT_LAUNCHED if self.proc is None else self.proc.poll()
@@ -242,7 +246,8 @@ class Controller:
             for kind, settings in enumerate(cfg.groups(role)):
                 for _ in range(settings.replicas):
                     self._start(self._new_group(role, kind))
-        self._start(self._new_unit("router", "router"))
+        for i in range(cfg.router.replicas):  # the fleet: on the head node, sharing its ports
+            self._start(self._new_unit("router" if i == 0 else f"router-{i}", "router"))
         wait_until_ready(
             self.router_addr,
             self._want,
@@ -284,13 +289,36 @@ class Controller:
         self.phase = "stopped"
 
     # -- scaling --------------------------------------------------------------------------------------
-    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
+    def scale(
+        self, prefill: int | None = None, decode: int | None = None, routers: int | None = None
+    ) -> dict:
         """Set the number of prefill / decode groups (deploy.scaling.scale: new groups register before
-        the newest surplus ones drain and go; a failed scale frees what it started and raises)."""
+        the newest surplus ones drain and go; a failed scale frees what it started and raises) and of
+        routers (new ones register before the newest surplus ones drain and go)."""
         scaling.check_targets(self.cfg, prefill, decode)  # refused at once, not after a running scale
+        if routers is not None and routers < 1:
+            raise ValueError("a cluster needs at least one router")
         with self.scaling:
-            scaling.scale(self, self.cfg, prefill, decode)
+            if prefill is not None or decode is not None:
+                scaling.scale(self, self.cfg, prefill, decode)
+            if routers is not None:
+                self._scale_routers(routers)
         return self.status()
+
+    def _scale_routers(self, n: int) -> None:
+        from kvferry.deploy.local import wait_routers
+
+        live = self.live_groups("router")
+        if n > len(live):
+            taken = {u.name for u in self.units.values()}
+            names = (f"router-{i}" for i in itertools.count(1) if f"router-{i}" not in taken)
+            started = [self._start(self._new_unit(next(names), "router")) for _ in range(n - len(live))]
+            pids = {pid for unit in started for pid in ray.get([s.pid.remote() for s in unit.sups])}
+            wait_routers(
+                self.redis_url, self.cfg.namespace, pids, time.monotonic() + self.cfg.startup_timeout_s
+            )
+        elif n < len(live):
+            self._retire(live[n:][::-1], self.cfg.router.drain_s + 10)
 
     # deploy.scaling.GroupLauncher
     def live_groups(self, role: str) -> list[Unit]:
@@ -472,10 +500,20 @@ class Controller:
             argvs = [pool_argv(cfg, self.layout, unit.name, "{host}")]
         elif unit.role == "router":
             host = cfg.router.host
-            unit.port = unit.port or cfg.router.port or ray.get(unit.sups[0].free_port.remote())
+            first = self.units.get("router")  # the fleet's ports are the first router's (SO_REUSEPORT)
+            shared = first if first is not None and first is not unit else None
+            unit.port = (
+                unit.port
+                or (shared.port if shared else 0)
+                or cfg.router.port
+                or ray.get(unit.sups[0].free_port.remote())
+            )
             if cfg.router.http_port is not None:
                 unit.http_port = (
-                    unit.http_port or cfg.router.http_port or ray.get(unit.sups[0].free_port.remote())
+                    unit.http_port
+                    or (shared.http_port if shared else None)
+                    or cfg.router.http_port
+                    or ray.get(unit.sups[0].free_port.remote())
                 )
             argvs = [router_argv(cfg, cfg.model, host, unit.port, unit.http_port)]
             if cfg.router.api_keys:

@@ -3,15 +3,22 @@
 Free blocks sit in an LRU queue. A freed block keeps its key (and stays findable) until it is handed
 out again, so a later request with the same prefix can take it back: eviction is LRU over unreferenced
 blocks. Only full blocks get keys; the tail block of a request is private.
+
+`watch()` reports the prefix cache's changes (a key becomes findable: STORED; stops being: REMOVED) as
+they happen, appended to a deque another thread drains (a prefill worker publishes them as KV events,
+`kvpool.kv_events`); unwatched, a change costs one attribute test.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvferry.engine.block_hash import block_keys
 from kvferry.engine.request import Request
+
+# the kinds of prefix-cache change `watch()` reports (the strings of kvpool.kv_events' entries)
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 
 
 @dataclass(slots=True)
@@ -30,6 +37,18 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.hits = 0  # prompt tokens served from the cache, over the engine's lifetime
+        self.changes: deque[tuple[str, bytes | None]] | None = None  # what `watch()` returned
+
+    def watch(self) -> deque[tuple[str, bytes | None]]:
+        """Report every change of the prefix cache from now on, in order, on the deque returned:
+        (STORED, key) when a full block becomes findable under `key`, (REMOVED, key) when it stops being.
+        It starts with (CLEARED, None) and a STORED for each key cached now, so its reader's view is
+        whole. Call it on the engine thread, or before the engine runs; the reader pops from the left on
+        any thread (a deque's append and popleft are atomic)."""
+        changes: deque[tuple[str, bytes | None]] = deque([(CLEARED, None)])
+        changes.extend((STORED, key) for key in self.cached)
+        self.changes = changes
+        return changes
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +115,8 @@ class BlockManager:
             if block.key is None and req.block_keys[index] not in self.cached:
                 block.key = req.block_keys[index]
                 self.cached[block.key] = block.block_id
+                if self.changes is not None:
+                    self.changes.append((STORED, block.key))
         req.num_committed_blocks = max(req.num_committed_blocks, full)
 
     def free(self, req: Request) -> None:
@@ -135,6 +156,8 @@ class BlockManager:
         self._evict_key(block)
         block.key = key
         self.cached[key] = block_id
+        if self.changes is not None:
+            self.changes.append((STORED, key))
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block (those taken by reserve/take_cached)."""
@@ -154,6 +177,8 @@ class BlockManager:
         if block.key is not None:
             if self.cached.get(block.key) == block.block_id:
                 del self.cached[block.key]
+                if self.changes is not None:
+                    self.changes.append((REMOVED, block.key))
             block.key = None
 
     def check_invariants(self) -> None:

@@ -24,6 +24,7 @@ means, and a worker never reaches into the block manager, the scheduler or the m
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,11 @@ class KVHandoff:
         return request_id in self._scheduler.awaiting_kv
 
     # -- export -----------------------------------------------------------------------------------------
+    def watch_cache(self) -> deque:
+        """The local prefix cache's changes from now on, as (kind, key) pairs (BlockManager.watch):
+        what a worker publishes as KV events (kvpool.kv_events)."""
+        return self._blocks.watch()
+
     def on_finished(self, fn: Callable[[Request], None] | None) -> None:
         """Call fn(req) with each request that finishes, before its blocks are freed (in the step)."""
         self.finished_hook = fn

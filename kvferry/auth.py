@@ -23,6 +23,7 @@ like any other call (the handshake comes first).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -114,6 +115,17 @@ class Credentials:
         for expected in self.api_keys:  # no early exit: the time taken does not tell which key is close
             ok |= hmac.compare_digest(key.encode(), expected.encode())
         return ok
+
+
+def owner_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """Who made a request, as routers compare it (a resume, an abort): a digest of the bearer API key
+    it came with ("" without one). The key itself never leaves the router."""
+    for k, v in metadata or ():
+        if k.lower() == "authorization":
+            auth = v.decode() if isinstance(v, bytes) else v
+            if auth.lower().startswith("bearer ") and auth[7:].strip():
+                return hashlib.sha256(b"kvferry-owner\0" + auth[7:].strip().encode()).hexdigest()[:32]
+    return ""
 
 
 def cluster_credentials() -> Credentials:

@@ -408,6 +408,10 @@ def _cmd_up(args) -> int:
         raise
     try:
         http = f", OpenAI API at {cluster.http_url}/v1" if cluster.http_url else ""
+        fleet = cluster.live_routers()
+        if len(fleet) > 1:  # one address (SO_REUSEPORT): the kernel spreads connections among them
+            names = ", ".join(f"{c.name} (pid {c.proc.pid})" for c in fleet)
+            print(f"kvferry: {len(fleet)} routers share {addr}{http}: {names}", file=sys.stderr, flush=True)
         print(
             f"kvferry cluster ready: router at {addr} (redis {mask_url(cluster.redis_url)}{http}, logs in "
             f"{cluster.log_dir})",
@@ -481,10 +485,15 @@ def _up_ray(args, cfg) -> int:
 
 def _scale_parser(sub) -> None:
     sc = sub.add_parser(
-        "scale", help="change the number of prefill / decode groups of a running cluster (in flight finish)"
+        "scale",
+        help="change the number of prefill / decode groups or routers of a running cluster (in flight "
+        "finish)",
     )
     sc.add_argument("--prefill", type=int, default=None, help="prefill groups wanted")
     sc.add_argument("--decode", type=int, default=None, help="decode groups wanted")
+    sc.add_argument(
+        "--routers", type=int, default=None, help="routers wanted (a leaving one finishes its streams)"
+    )
     _control_args(sc)
     sc.set_defaults(func=_cmd_scale)
 
@@ -657,7 +666,9 @@ def _cmd_scale(args) -> int:
         if ctrl is None:
             return 2
         try:
-            status = ray.get(ctrl.scale.remote(prefill=args.prefill, decode=args.decode))
+            status = ray.get(
+                ctrl.scale.remote(prefill=args.prefill, decode=args.decode, routers=args.routers)
+            )
         except ValueError as err:  # a count the controller refused
             print(f"kvferry: error: {err}", file=sys.stderr)
             return 2
@@ -675,7 +686,7 @@ def _cmd_scale(args) -> int:
             file=sys.stderr,
         )
         return 2
-    return request_scale(redis_url, args.namespace, args.prefill, args.decode)
+    return request_scale(redis_url, args.namespace, args.prefill, args.decode, routers=args.routers)
 
 
 def _cmd_down(args) -> int:

@@ -38,6 +38,12 @@ _MESSAGE_SIZES = [
 # fails over), during a call and between calls alike.
 CHANNEL_OPTIONS = [
     *_MESSAGE_SIZES,
+    # a peer that went away (a router or worker restarting, a fleet member gone) is tried again soon:
+    # gRPC's default backoff reaches 10 s and more after a few failures, longer than a stream's resume
+    # grace (RouterConfig.detach_grace_s)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -5,6 +5,10 @@ prefilling -> KV write -> answered); the engine loop polls them between steps, a
 (a coroutine on the server's event loop) awaits the job's answer. A call that ends before it is
 answered (cancelled, deadline) cancels its job. Rank 0 of a
 tensor-parallel group runs all of it and has the other ranks follow (`kvferry.prefill_worker.tp`).
+
+Every change of the engine's own prefix cache (a full block findable under its key, or no longer) is
+published as a KV event for the routers (`kvpool.kv_events`, `publish_kv_events`), by rank 0 alone:
+the block manager queues them in its step, a publisher thread sends them in batches.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
 from kvferry.engine.request import InvalidRequestError, Request, RequestStatus
 from kvferry.kvpool.client import PoolClient, PoolError, from_proto, gather, to_proto
-from kvferry.kvpool.metadata import Location
+from kvferry.kvpool.config import PoolConfig
+from kvferry.kvpool.kv_events import KVEventPublisher
+from kvferry.kvpool.metadata import Location, MetadataStore
 from kvferry.kvpool.transfer import pack_blocks
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.prefill_worker.handoff import KVWrite, PrefillJob, PrefixLookup, PrefixPull
@@ -58,6 +64,7 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         self.heads = (kv.start, kv.stop)
         self.streamer: LayerStreamer | None = None
         self.stream_layers("auto")
+        self.kv_events: KVEventPublisher | None = None
 
     def stream_layers(self, mode: str) -> None:
         """Stream each step's finished blocks to the pool layer by layer (`streaming.py`): mode on, off,
@@ -70,8 +77,21 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             self.streamer = LayerStreamer(self.engine, self.pool, self.heads, self.jobs.__contains__)
         self.engine.kv.on_layers(None if self.streamer is None else self.streamer.hook)
 
+    def publish_kv_events(self, meta: MetadataStore) -> None:
+        """Publish the changes of the engine's prefix cache in `meta`'s Redis from `start` on. Before
+        `start`: the block manager's queue starts with what the cache holds now."""
+        changes = self.engine.kv.watch_cache()
+        self.kv_events = KVEventPublisher(meta, self.worker_id, self.group.group_id, changes)
+
+    def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
+        super().start()
+
     def stop(self) -> None:
         super().stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()  # after the engine: its last changes go out too
         self.lookup_thread.shutdown(wait=False)  # a lookup only reads Redis: nothing to finish
         # only once the engine thread is gone: two threads must never broadcast at once (if it is
         # stuck in a step, the followers end with this process instead, by PR_SET_PDEATHSIG)
@@ -402,6 +422,12 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
             job.holder = []
 
 
+def configure(servicer: PrefillWorker, pool_cfg: PoolConfig) -> None:
+    """The serving process's settings: layer streaming, and KV events in the pool's Redis."""
+    servicer.stream_layers(pool_cfg.stream_layers)
+    servicer.publish_kv_events(servicer.pool.meta)
+
+
 def prefill_engine_config(args: argparse.Namespace, cfg):
     if cfg.expert_parallel_size > 1:
         raise SystemExit(
@@ -417,7 +443,7 @@ ROLE = WorkerRole(
     descriptor=worker_pb2.DESCRIPTOR,
     parallel=lambda comm: Parallel(comm, Comm.single()),  # tensor-parallel: every rank a head slice
     engine_config=prefill_engine_config,
-    configure=lambda servicer, pool: servicer.stream_layers(pool.stream_layers),
+    configure=configure,
     follow=follow,  # ranks > 0 run rank 0's commands
 )
 

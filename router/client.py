@@ -1,7 +1,16 @@
-"""A small synchronous client for the public API (used by `kvferry generate --server`, tests, load tests)."""
+"""A small synchronous client for the public API (used by `kvferry generate --server`, tests, load tests).
+
+Its streams survive the death of the router serving them (a fleet of routers: one host's share a port,
+so a reconnect reaches another): a stream that breaks with UNAVAILABLE is resumed through the channel's
+next connection with the request's id and the number of tokens already received
+(`GenerateRequest.resume`; `router.resume`), so the caller sees one unbroken stream. A request that broke
+before its decode began (nothing to resume: NOT_FOUND with no tokens received) is sent again whole.
+"""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -10,6 +19,8 @@ import grpc
 from kvferry.auth import client_interceptors
 from kvferry.rpc import CHANNEL_OPTIONS
 from kvferry.v1 import generate_pb2, generate_pb2_grpc
+
+MAX_RESUMES = 3  # a stream is resumed at most this many times (each time its router went away)
 
 
 @dataclass
@@ -39,6 +50,74 @@ def build_request(
     return req
 
 
+def _unreachable(err: grpc.RpcError) -> bool:
+    """The call never reached a router (no connection could be made), as opposed to a stream broken."""
+    details = (err.details() or "").lower()
+    return err.code() == grpc.StatusCode.UNAVAILABLE and (
+        "failed to connect" in details or "handshake" in details
+    )
+
+
+class ResumingStream:
+    """One request's stream, resumed across routers (the module doc). Iterate it for the messages;
+    `cancel()` ends it as a call's cancel does (the iteration then raises CANCELLED)."""
+
+    def __init__(self, stub, request: generate_pb2.GenerateRequest, timeout: float | None, resume: int):
+        self.stub, self.resume = stub, resume if request.sampling.n <= 1 else 0  # (n > 1: not resumable)
+        if resume > 0 and not request.request_id:  # the id a resume names: chosen here
+            named = generate_pb2.GenerateRequest()
+            named.CopyFrom(request)
+            named.request_id = f"req-{uuid.uuid4().hex}"
+            request = named
+        self.request = request
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.call = None
+        self.cancelled = False
+        self.messages = self._messages()
+
+    def __iter__(self) -> ResumingStream:
+        return self
+
+    def __next__(self) -> generate_pb2.GenerateResponse:
+        return next(self.messages)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.call is not None:
+            self.call.cancel()
+
+    def _messages(self) -> Iterator[generate_pb2.GenerateResponse]:
+        request = self.request
+        received, attempt, resumes = 0, request, 0
+        while True:
+            left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            # a resume waits for a router to be reachable (the next connection may be a moment away)
+            self.call = call = self.stub.Generate(attempt, timeout=left, wait_for_ready=resumes > 0)
+            if self.cancelled:
+                call.cancel()
+            try:
+                for msg in call:
+                    received += len(msg.token_ids)
+                    yield msg
+                return
+            except grpc.RpcError as err:
+                code = err.code()
+                if self.cancelled or resumes >= self.resume or (received == 0 and _unreachable(err)):
+                    raise  # (no router reachable at all, before any answer: the caller's error to see)
+                if code == grpc.StatusCode.NOT_FOUND and resumes and received == 0:
+                    attempt = request  # it broke before its decode began: nothing to resume, send it again
+                elif code == grpc.StatusCode.UNAVAILABLE:
+                    attempt = generate_pb2.GenerateRequest(
+                        request_id=request.request_id, resume=generate_pb2.Resume(tokens=received)
+                    )
+                else:
+                    raise
+                resumes += 1
+                time.sleep(min(0.05 * resumes, 0.5))  # the listener's socket may be a moment away
+            finally:
+                call.cancel()  # (a no-op once it ended) the caller stopped reading: end the call
+
+
 class Client:
     """The router's public gRPC API. `api_key`: sent as `authorization: Bearer <key>` on every call;
     `root_certificates`: PEM bytes of the CA (or the self-signed certificate) to trust, which makes the
@@ -46,22 +125,30 @@ class Client:
 
     def __init__(self, target: str, api_key: str | None = None, root_certificates: bytes | None = None):
         self.target = target
+        # a connection of its own (gRPC shares one among a process's channels to the same target): each
+        # client reaches whichever router of the fleet the kernel gives its connection
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self.channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            self.channel = grpc.secure_channel(target, creds, options=options)
         else:
-            self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self.channel = grpc.insecure_channel(target, options=options)
         if api_key:
             interceptors = client_interceptors([("authorization", f"Bearer {api_key}")])
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
-    def stream(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Iterator:
-        return self.stub.Generate(request, timeout=timeout)
+    def stream(
+        self, request: generate_pb2.GenerateRequest, timeout: float | None = None, resume: int = MAX_RESUMES
+    ) -> ResumingStream:
+        """The request's messages (iterate it; `cancel()` ends it, as a call's cancel does). Up to
+        `resume` times, a stream that breaks (UNAVAILABLE: its router went away) is resumed through
+        another connection (`resume=0`: the error is raised)."""
+        return ResumingStream(self.stub, request, timeout, resume)
 
     def generate(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> StreamResult:
         result = StreamResult()
-        for msg in self.stub.Generate(request, timeout=timeout):
+        for msg in self.stream(request, timeout=timeout):
             result.request_id = msg.request_id
             result.token_ids += msg.token_ids
             result.text += msg.text

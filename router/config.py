@@ -136,6 +136,30 @@ class RouterConfig:
         ),
     )
 
+    detach_grace_s: float = field(
+        default=10.0,
+        metadata=meta(
+            "how long a decode worker holds a stream whose router died (decoding on, its tokens kept) for "
+            "the client to resume it through any router (GenerateRequest.resume); 0: abort it at once"
+        ),
+    )
+    drain_s: float = field(
+        default=30.0,
+        metadata=meta(
+            "how long a stopping router (SIGTERM) lets its streams finish; it takes no new connections "
+            "meanwhile (the other routers do)"
+        ),
+    )
+    replicas: int = field(
+        default=1,
+        metadata=meta(
+            "router processes (one host: all on the same gRPC and HTTP ports, SO_REUSEPORT; the kernel "
+            "spreads connections)",
+            cluster=True,
+            flag="routers",
+        ),
+    )
+
     def __post_init__(self):
         for name in ("served_model_name", "api_keys"):  # a cluster file's one name, or a list of them
             value = getattr(self, name)

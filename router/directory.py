@@ -9,20 +9,30 @@ skipped (logged once per member), never a failed refresh. A worker whose record 
 gets no new requests (it finishes the ones it has, then leaves). A worker that fails an RPC with
 UNAVAILABLE is skipped until it beats again. Every worker must agree on the model fingerprint, block
 size and max length; one that does not is refused (logged), never routed to.
+
+Each prefill worker's backlog (the prompt tokens it still has to compute, per priority:
+`kvferry.worker.backlog`, checked by `router.backlog`) is read at admission when the last read is older than
+BACKLOG_POLL_S (50 ms: one read for every admission in that window, none while idle) from the hash
+`kvf:{namespace}:prefill_backlog`, and at each refresh from its heartbeat record (`prefill_backlog`); the
+newest record wins (`Member.backlog`, with the time it came, from which `router.slo` tells a stale one).
+A malformed one is skipped (logged once per member).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 
 from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.backlog import BACKLOG_KEY, BACKLOG_POLL_S, PublishedBacklog
 from kvferry.rpc import aio_channel
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -45,6 +55,8 @@ class Member:
     free_blocks: int = 0  # KV blocks free, as of the last heartbeat minus what was sent since
     draining: bool = False  # finishing what it has; gets nothing new (scale-down, shutdown)
     beat: dict = field(default_factory=dict)  # its last heartbeat record (load figures, for /metrics)
+    backlog: PublishedBacklog | None = None  # a prefill worker's, the newest read (router.slo)
+    backlog_at: float = 0.0  # time.monotonic() when `backlog` came
     last_seen: float = field(default_factory=time.monotonic)
     suspect_until: float = 0.0
 
@@ -70,9 +82,17 @@ class PoolMember:
 
 class Directory:
     def __init__(
-        self, meta: MetadataStore, refresh_s: float = 0.5, grace_s: float = 5.0, colocated: bool = False
+        self,
+        meta: MetadataStore,
+        refresh_s: float = 0.5,
+        grace_s: float = 5.0,
+        colocated: bool = False,
+        backlog_poll_s: float = BACKLOG_POLL_S,
     ):
         self.meta = meta
+        self.backlog_poll_s = backlog_poll_s
+        self._backlog_task: asyncio.Task | None = None  # the read of the backlogs in flight, if any
+        self._backlogs_at = 0.0  # time.monotonic() of the last read
         self.colocated = colocated  # decode workers alone serve (no prefill workers, no pool)
         self.refresh_s = refresh_s
         self.grace_s = grace_s
@@ -92,8 +112,9 @@ class Directory:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._backlog_task):
+            if task is not None:
+                task.cancel()
         for role in ROLES:
             for m in self.members[role].values():
                 await m.channel.close()
@@ -131,6 +152,8 @@ class Directory:
                 member.free_blocks = record.free_blocks
                 member.draining = record.draining
                 member.beat = raw
+                if role == "prefill" and "prefill_backlog" in raw:
+                    self._take_backlog(member, raw["prefill_backlog"])
             for member_id, member in list(current.items()):
                 if self._lapsed(role, member.last_seen, now):
                     log.warning("%s worker %s stopped beating; no longer routed to", role, member_id)
@@ -151,6 +174,43 @@ class Directory:
             for node_id, node in list(self.pool_nodes.items()):
                 if self._lapsed("pool", node.last_seen, now):
                     del self.pool_nodes[node_id]
+
+    async def fresh_backlogs(self) -> None:
+        """Make the prefill backlogs at most `backlog_poll_s` old (admission asks, before it predicts):
+        one read of the hash for every admission in that window, and none while no request comes (a
+        router's CPU while idle is its fleet's cost, paid per second, not per request)."""
+        if self.colocated or time.monotonic() - self._backlogs_at < self.backlog_poll_s:
+            return
+        if self._backlog_task is None or self._backlog_task.done():
+            self._backlogs_at = time.monotonic()
+            self._backlog_task = asyncio.create_task(self.read_backlogs())
+        try:
+            await asyncio.shield(self._backlog_task)
+        except Exception:
+            log.exception("reading the prefill backlogs failed")
+
+    async def read_backlogs(self) -> None:
+        """Read the prefill workers' backlog hash (off the loop) into their members; a Redis outage
+        leaves what is known (it goes stale)."""
+        key = f"{self.meta.prefix}{BACKLOG_KEY}"
+        try:
+            records = await asyncio.to_thread(self.meta.client.hgetall, key)
+        except redis.RedisError:
+            return  # (the registry refresh logs the outage)
+        for member_id, value in records.items():
+            member = self.members["prefill"].get(member_id.decode(errors="replace"))
+            if member is not None:
+                self._take_backlog(member, value)
+
+    def _take_backlog(self, member: Member, raw) -> None:
+        """Keep a backlog record (a JSON text, or already parsed) if it is newer than the member's."""
+        try:
+            record = PublishedBacklog.parse(json.loads(raw) if isinstance(raw, str | bytes) else raw)
+        except (KeyError, TypeError, ValueError) as err:
+            self._malformed_once("backlog", member.member_id, raw, f"{type(err).__name__}: {err}")
+            return
+        if record.newer_than(member.backlog):
+            member.backlog, member.backlog_at = record, time.monotonic()
 
     async def _read_all(self) -> dict[str, dict[str, dict] | None]:
         """Each role's (and the pool's) registry records, read in one hop off the loop; None for one

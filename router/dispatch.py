@@ -1,27 +1,28 @@
 """The prefill: the worker KV-aware routing picks (`router.prefix_routing`), the call with the request's
 block keys and pool lookup, and failover to another worker when one dies or refuses
-(`router.failover`).
-
-`PrefillDispatch` is one of the five parts of `router.server.Router` (with `router.admission`,
-`router.slo`, `router.relay` and `router.sequences`).
+(`router.failover`). `PrefillDispatch` counts each prefill in flight on its worker (the routing's load,
+and the SLO predictor's queues) until the worker answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvferry.kvpool.client import to_proto
-from kvferry.router.admission import Inflight, RequestRejected, WorkerFailed
-from kvferry.router.directory import Member
-from kvferry.router.failover import MAX_RETRIES, SUSPECT_S, connection_lost, relay_code, retryable
-from kvferry.router.prefix_routing import Choice
-from kvferry.v1 import worker_pb2
+from kvferry.router.inflight import Inflight, RequestRejected, WorkerFailed
+from kvferry.v1 import generate_pb2, worker_pb2
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvferry.kvpool.metadata import Location
+    from kvferry.router.failover import Failover
+    from kvferry.router.metrics import RouterMetrics
+    from kvferry.router.prefix_routing import Choice, PrefillRouting
+    from kvferry.router.slo import SloPredictor
 
 
 def cached_of(prefill: worker_pb2.PrefillResponse) -> tuple[int, int]:
@@ -30,14 +31,28 @@ def cached_of(prefill: worker_pb2.PrefillResponse) -> tuple[int, int]:
 
 
 class PrefillDispatch:
-    """Router methods: the prefill of a request, and what every worker call shares (retry, failure)."""
+    """Sends a request's prefill to the worker `routing` chooses (`prefill`), another one when it fails."""
 
-    async def _prefill(
-        self, handle: Inflight, ids: list[int], sampling, keys: worker_pb2.PromptKeys, pooled
+    def __init__(
+        self, routing: PrefillRouting, metrics: RouterMetrics, slo: SloPredictor, failover: Failover
+    ):
+        self.routing = routing
+        self.metrics = metrics
+        self.slo = slo
+        self.failover = failover
+
+    async def prefill(
+        self,
+        handle: Inflight,
+        sampling: generate_pb2.SamplingParams,
+        keys: worker_pb2.PromptKeys,
+        pooled: Sequence[Location],
     ) -> worker_pb2.PrefillResponse | None:
-        """The prefill on the worker `self.routing` chooses (`pooled`: where the pool holds the leading
-        `keys`, which the worker gets too); one that dies or refuses is replaced by another (at most
-        MAX_RETRIES times, never the same one twice). None: Abort() came meanwhile."""
+        """The prefill of `handle`'s prompt on the worker `self.routing` chooses (`pooled`: where the
+        pool holds the leading `keys`, which the worker gets too); one that dies or refuses is replaced by
+        another (at most MAX_RETRIES times, never the same one twice). None: Abort() came meanwhile.
+        Raises WorkerFailed (the last failure) or RequestRejected UNAVAILABLE (no worker to try)."""
+        ids = handle.ids
         request = worker_pb2.PrefillRequest(
             request_id=handle.request_id,
             prompt_token_ids=ids,
@@ -56,10 +71,10 @@ class PrefillDispatch:
             tried.add(choice.worker.member_id)
             self.metrics.routed(choice)
             try:
-                prefill = await self._call_prefill(handle, choice, request)
+                prefill = await self._call(handle, choice, request)
             except WorkerFailed as err:
                 self.routing.failed(choice)
-                if not self._retry(handle, err, "prefill", tries):
+                if not self.failover.retry(handle, err, "prefill", tries):
                     raise
                 failed = err
                 handle.release_pool = True  # the failed one may have put part of the prompt's KV
@@ -68,11 +83,13 @@ class PrefillDispatch:
                 self.metrics.prefilled(choice, cached_of(prefill))
             return prefill
 
-    async def _call_prefill(self, handle, choice: Choice, request: worker_pb2.PrefillRequest):
+    async def _call(
+        self, handle: Inflight, choice: Choice, request: worker_pb2.PrefillRequest
+    ) -> worker_pb2.PrefillResponse | None:
         worker = choice.worker
         worker.inflight += 1
         worker.inflight_tokens += choice.compute_tokens
-        self.prefill_sent(handle, worker, choice.compute_tokens)
+        self.slo.prefill_sent(handle, worker, choice.compute_tokens)
         call = worker.stub.Prefill(request, timeout=handle.remaining())
         handle.calls.append(call)
         try:
@@ -83,25 +100,9 @@ class PrefillDispatch:
                 return None  # Abort() cancelled the call: finish the stream with "abort"
             raise
         except grpc.aio.AioRpcError as err:
-            raise self._failed(worker, "prefill", err) from None
+            raise self.failover.failed(worker, "prefill", err) from None
         finally:
             worker.inflight -= 1
             worker.inflight_tokens -= choice.compute_tokens
-            self.prefill_ended(handle, worker)
+            self.slo.prefill_ended(handle, worker)
             handle.calls.remove(call)
-
-    def _retry(self, handle: Inflight, err: WorkerFailed, role: str, tries: int) -> bool:
-        """Whether a failed worker call is tried again on another worker of `role` (logged, counted)."""
-        if not err.retry or tries > MAX_RETRIES or handle.aborted or handle.remaining() <= 0:
-            return False
-        log.warning("%s of %s failed, trying another worker: %s", role, handle.request_id, err)
-        self.metrics.failover(role, err.code.name)
-        return True
-
-    def _failed(self, worker: Member, role: str, err: grpc.aio.AioRpcError) -> WorkerFailed:
-        """The WorkerFailed of a failed call; a worker whose connection broke gets nothing new for a while."""
-        if connection_lost(err):
-            self.directory.suspect(worker, SUSPECT_S)
-        return WorkerFailed(
-            relay_code(err), f"{role} worker {worker.member_id}: {err.details()}", retryable(role, err)
-        )

@@ -10,17 +10,29 @@ what the pool does not cover). Greedy output is the same as an uninterrupted run
 request restarts its generator on the new worker, so it continues differently (still a valid sample).
 Never the same worker twice, at most `MAX_RETRIES` times per phase, within the request's deadline.
 INVALID_ARGUMENT and DEADLINE_EXCEEDED are never retried: another worker would answer the same.
+
+`Failover` applies these rules for the prefill dispatch and the decode relay alike: the `WorkerFailed`
+of a failed call (its worker suspected when its connection broke) and whether to try another worker.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvferry.router.directory import Directory, Member
+from kvferry.router.inflight import WorkerFailed
 from kvferry.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from kvferry.router.inflight import Inflight
+    from kvferry.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
 
 MAX_RETRIES = 2  # per phase: a request is tried on at most 1 + MAX_RETRIES workers of a role
 SUSPECT_S = 2.0  # a worker that failed with a connection error gets nothing new for this long
@@ -64,6 +76,32 @@ def relay_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
     if connection_lost(err):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+class Failover:
+    """What every worker call shares when it fails: its error (`failed`) and whether another worker of
+    its role gets the call (`retry`)."""
+
+    def __init__(self, directory: Directory, metrics: RouterMetrics):
+        self.directory = directory
+        self.metrics = metrics
+
+    def failed(self, worker: Member, role: str, err: grpc.aio.AioRpcError) -> WorkerFailed:
+        """The WorkerFailed of a failed call; a worker whose connection broke gets nothing new for a
+        while (SUSPECT_S)."""
+        if connection_lost(err):
+            self.directory.suspect(worker, SUSPECT_S)
+        return WorkerFailed(
+            relay_code(err), f"{role} worker {worker.member_id}: {err.details()}", retryable(role, err)
+        )
+
+    def retry(self, handle: Inflight, err: WorkerFailed, role: str, tries: int) -> bool:
+        """Whether a failed worker call is tried again on another worker of `role` (logged, counted)."""
+        if not err.retry or tries > MAX_RETRIES or handle.aborted or handle.remaining() <= 0:
+            return False
+        log.warning("%s of %s failed, trying another worker: %s", role, handle.request_id, err)
+        self.metrics.failover(role, err.code.name)
+        return True
 
 
 def pick_excluding(directory: Directory, role: str, tried: set[str], blocks: int = 0) -> Member | None:

@@ -5,12 +5,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvferry.router.server import Router
 
 log = logging.getLogger(__name__)
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port that the other routers of the host bind too (SO_REUSEPORT:
+    the kernel spreads new connections among them), as gRPC's own port is."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
 
 
 class HttpServer:
@@ -39,16 +61,17 @@ class HttpServer:
             lifespan="off",
             access_log=False,
             log_level=router.cfg.uvicorn_log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=max(1, round(router.cfg.drain_s)),
             ssl_certfile=certfile,
             ssl_keyfile=keyfile,
         )
         self.scheme = "https" if certfile else "http"
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
+        self.socket = shared_socket(host, port)
 
     async def start(self) -> int:
-        self.task = asyncio.create_task(self.server.serve())
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
         while not self.server.started:
             if self.task.done():  # it could not bind (the error is in the task)
                 self.task.result()

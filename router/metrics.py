@@ -83,6 +83,10 @@ class RouterMetrics:
             "Worker calls retried on another worker, by role and code.",
             ["role", "code"],
         )
+        self.resumes = counter(
+            "resumed_requests_total",
+            "Streams resumed here after their router went away (GenerateRequest.resume).",
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
         self.cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up.")
@@ -137,6 +141,9 @@ class RouterMetrics:
         self.predicted_ttft_hist.labels(self.model_name).observe(predicted_ms / 1e3)
         if predicted_ms > 0:
             self.ttft_prediction_ratio.labels(self.model_name).observe(actual_ms / predicted_ms)
+
+    def resumed(self) -> None:
+        self.resumes.labels(self.model_name).inc()
 
     def pool_lookup(self) -> None:
         self.pool_lookups.labels(self.model_name).inc()

@@ -14,139 +14,44 @@ the pool exactly as a gRPC cancel does.
 
 Given API keys (--api-key), every route but /health and /metrics asks for `Authorization: Bearer <key>`
 (401 with an OpenAI error body otherwise). A body over --max-request-bytes is refused (413) unread.
+
+`OpenAIServing` answers the routes, one method each (`ROUTES`); `build_app` registers them on a FastAPI
+app behind `Gate` (keys, body size). `Fanout` runs a response's requests; `sse` and `collect` shape it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import json
-import logging
-import math
-import re
 import uuid
+from typing import TYPE_CHECKING
 
-import grpc
 from fastapi import BackgroundTasks, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvferry.auth import owner_of
 from kvferry.engine.request import InvalidRequestError
 from kvferry.engine.structured import StructuredOutputError
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
+from kvferry.router.inflight import Inflight, RequestRejected
 from kvferry.router.limits import max_prompt_chars
 from kvferry.router.metrics import CONTENT_TYPE
 from kvferry.router.openai_protocol import (
     ChatCompletionRequest,
-    ChoiceState,
     CompletionRequest,
     DetokenizeRequest,
     Echo,
     ResponseShape,
     TokenizeRequest,
-    error_body,
 )
-from kvferry.router.server import Inflight, RequestRejected, Router
+from kvferry.router.openai_stream import ApiError, Fanout, collect, sse
 from kvferry.v1 import generate_pb2
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvferry.router.server import Router
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.INTERNAL: 500,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, retry_after_s: float | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> JSONResponse:
-        headers = None if self.retry_after_s is None else {"Retry-After": str(math.ceil(self.retry_after_s))}
-        return JSONResponse(
-            error_body(self.status, self.message, self.param), status_code=self.status, headers=headers
-        )
-
-    @classmethod
-    def of(cls, err: Exception, prompt_field: str = "prompt") -> ApiError:
-        """The HTTP error for a router error; the message names the OpenAI field."""
-        if isinstance(err, InvalidRequestError):
-            message = _openai_field_names(str(err), prompt_field)
-            return cls(400, message, re.match(r"[\w.\[\]]*", message).group(0) or None)
-        if isinstance(err, RequestRejected):
-            return cls(HTTP_STATUS.get(err.code, 500), str(err), retry_after_s=err.retry_after_s)
-        return cls(500, f"internal error: {err}")
-
-
-def _openai_field_names(message: str, prompt_field: str) -> str:
-    """'sampling.top_p must ...' -> 'top_p must ...'; 'prompt.token_ids ...' -> 'prompt ...'."""
-    message = message.removeprefix("sampling.")
-    for name in ("prompt.text", "prompt.token_ids", "prompt"):
-        if message.startswith(name):
-            return prompt_field + message[len(name) :]
-    return message
-
-
-class Fanout:
-    """Runs admitted requests as tasks and yields (choice index, message) as they arrive; a request that
-    fails raises its error here. `cancel()` (the client went away) releases every request."""
-
-    def __init__(self, router: Router, handles: list[Inflight], per_prompt: int = 1):
-        self.per_prompt = per_prompt  # sequences per request: message i of request r is choice r * this + i
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.open = len(handles)
-        self.started = [False] * len(handles)
-        self.tasks = []
-        for i, handle in enumerate(handles):
-            task = asyncio.create_task(self._pump(router, i, handle))
-            task.add_done_callback(functools.partial(self._never_ran, router, i, handle))
-            self.tasks.append(task)
-
-    def _never_ran(self, router: Router, index: int, handle: Inflight, task: asyncio.Task) -> None:
-        """A task cancelled before its first step never entered `router.run`: withdraw its request."""
-        if not self.started[index]:
-            router.withdraw(handle)
-
-    async def _pump(self, router: Router, index: int, handle: Inflight) -> None:
-        self.started[index] = True  # from here on, router.run's own cleanup releases the request
-        try:
-            async with contextlib.aclosing(router.run(handle)) as stream:
-                async for message in stream:
-                    self.queue.put_nowait((index * self.per_prompt + message.index, message))
-        except (InvalidRequestError, RequestRejected) as err:
-            self.queue.put_nowait((index, err))
-        except Exception as err:
-            log.exception("request %s failed", handle.request_id)
-            self.queue.put_nowait((index, err))
-        finally:
-            self.queue.put_nowait((index, None))
-
-    async def __aiter__(self):
-        while self.open:
-            index, item = await self.queue.get()
-            if item is None:
-                self.open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-
-    def cancel(self) -> None:
-        for task in self.tasks:
-            task.cancel()
 
 
 class Gate:
@@ -183,96 +88,84 @@ class Gate:
         return None
 
 
-def build_app(router: Router) -> FastAPI:
-    app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry cluster")
-    chat_template = ChatTemplate.load(router.model_dir, router.cfg.chat_template)
-    names = router.model_names
+class OpenAIServing:
+    """The OpenAI-compatible API over one router: a method per route (`ROUTES`), each answering with
+    JSON or server-sent events, or raising ApiError. The routes admit and run requests through the
+    router's own `admit` / `run` (the gRPC path's validation, --max-inflight and release)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        if first.get("type") == "json_invalid":
+    def __init__(self, router: Router):
+        self.router = router
+        self.chat_template = ChatTemplate.load(router.model_dir, router.cfg.chat_template)
+        self.names = router.model_names
+
+    async def health(self) -> Response:
+        if self.router.draining:
             return ApiError(
-                400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                503, "this router is stopping: its streams finish, new requests go elsewhere"
             ).response()
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        return ApiError(400, f"{where}: {first.get('msg', 'invalid')}", where).response()
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    app.add_middleware(Gate, router=router)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if router.directory.ready:
+        if self.router.directory.ready:
             return Response(status_code=200)
         return ApiError(503, "the cluster is not ready: no prefill/decode workers yet").response()
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        info = router.directory.model
+    async def models(self) -> dict:
+        info = self.router.directory.model
         card = {
-            "id": router.served_model_name,
+            "id": self.router.served_model_name,
             "object": "model",
             "created": 0,
             "owned_by": "kvferry",
-            "root": router.served_model_name,  # never the checkpoint's path
+            "root": self.router.served_model_name,  # never the checkpoint's path
             "parent": None,
         }
         if info is not None:
             card.update(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
+    async def metrics(self) -> Response:
+        return Response(self.router.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def check_structured(body) -> None:
+    async def _check_structured(self, body) -> None:
         """Compile the request's structured output (cached; off the loop): a constraint the library
         refuses is a 400 naming the field it came in."""
         spec = body.structured()
-        if spec is None or router.directory.model is None:  # (not ready: admission answers 503)
+        if spec is None or self.router.directory.model is None:  # (not ready: admission answers 503)
             return
         field, kind, value = spec
         try:
-            await asyncio.to_thread(router.grammars().check, kind, value)
+            await asyncio.to_thread(self.router.admission.grammars().check, kind, value)
         except StructuredOutputError as err:
             raise ApiError(400, f"{field}: {err}", field) from None
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{router.served_model_name}`",
+                f"The model `{model}` does not exist; this server serves `{self.router.served_model_name}`",
                 "model",
             )
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
+    async def tokenizer_info(self) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's special tokens and chat template (what lm-eval's
         remote tokenizer reads)."""
-        config_path = router.model_dir / "tokenizer_config.json"
+        config_path = self.router.model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         info = {k: v for k, v in config.items() if k != "added_tokens_decoder"}
-        eos = router.tokenizer.eos_token_id
+        eos = self.router.tokenizer.eos_token_id
         if "eos_token" not in info and eos is not None:
-            info["eos_token"] = router.tokenizer.decode([eos], skip_special_tokens=False)
+            info["eos_token"] = self.router.tokenizer.decode([eos], skip_special_tokens=False)
         info.setdefault("eos_token", None)
-        info["chat_template"] = chat_template.source if chat_template is not None else None
+        info["chat_template"] = self.chat_template.source if self.chat_template is not None else None
         info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         return info
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: a prompt's token ids (or a chat's, rendered with the chat template)."""
-        check_model(body.model)
+        self._check_model(body.model)
         if body.messages is not None:
-            if chat_template is None:
-                raise ApiError(400, f"model {router.served_model_name} has no chat template", "messages")
+            if self.chat_template is None:
+                raise ApiError(400, f"model {self.router.served_model_name} has no chat template", "messages")
             try:
-                text = chat_template.render(
+                text = self.chat_template.render(
                     [m.as_template_input(i) for i, m in enumerate(body.messages)], body.add_generation_prompt
                 )
             except (InvalidRequestError, ChatTemplateError) as err:
@@ -281,42 +174,40 @@ def build_app(router: Router) -> FastAPI:
             text = body.prompt
         else:
             raise ApiError(400, "give prompt or messages", "prompt")
-        info = router.directory.model
+        info = self.router.directory.model
         limit = max_prompt_chars(info.max_model_len if info is not None else 4096)
         if len(text) > limit:
             raise ApiError(400, f"prompt: at most {limit} characters", "prompt")
-        ids = await asyncio.to_thread(router.tokenizer.encode, text, body.add_special_tokens)
+        ids = await asyncio.to_thread(self.router.tokenizer.encode, text, body.add_special_tokens)
         return {
             "count": len(ids),
             "max_model_len": info.max_model_len if info is not None else None,
             "tokens": ids,
         }
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: the text of token ids."""
-        check_model(body.model)
-        vocab = router.tokenizer.vocab_size
+        self._check_model(body.model)
+        vocab = self.router.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"tokens must lie in [0, {vocab}); got {bad[0]}", "tokens")
-        return {"prompt": router.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": self.router.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             reqs = body.generate_requests(rid)
         except InvalidRequestError as err:
             raise ApiError.of(err) from None
-        await check_structured(body)
+        await self._check_structured(body)
         shape = ResponseShape(
             False,
             f"cmpl-{rid}",
-            router.served_model_name,
+            self.router.served_model_name,
             body.return_token_ids,
-            router.tokenizer,
+            self.router.tokenizer,
             logprobs=body.logprobs,
             echo=body.echo,
             drop_output=body.echo and body.max_tokens == 0,
@@ -324,16 +215,15 @@ def build_app(router: Router) -> FastAPI:
             per_prompt=body.sequences,
             keep=body.n,
         )
-        return await respond(request, body, reqs, shape, "prompt")
+        return await self._respond(request, body, reqs, shape, "prompt")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if chat_template is None:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        if self.chat_template is None:
             raise ApiError(
                 400,
-                f"model {router.served_model_name} has no chat template (tokenizer_config.json chat_template "
-                "or chat_template.jinja); use /v1/completions",
+                f"model {self.router.served_model_name} has no chat template (tokenizer_config.json "
+                "chat_template or chat_template.jinja); use /v1/completions",
                 "messages",
             )
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -342,7 +232,7 @@ def build_app(router: Router) -> FastAPI:
             sampling = body.sampling(body.max_new_tokens)
         except InvalidRequestError as err:
             raise ApiError.of(err) from None
-        await check_structured(body)
+        await self._check_structured(body)
         try:
             kwargs = body.template_kwargs()
         except InvalidRequestError as err:
@@ -350,7 +240,7 @@ def build_app(router: Router) -> FastAPI:
         if body.tools:  # templates that know tools render them (Qwen's do)
             kwargs.setdefault("tools", body.tools)
         try:
-            text = chat_template.render(body.template_messages(), body.add_generation_prompt, **kwargs)
+            text = self.chat_template.render(body.template_messages(), body.add_generation_prompt, **kwargs)
         except (InvalidRequestError, ChatTemplateError) as err:
             raise ApiError(400, str(err), "messages") from None
         # the router tokenizes the rendered text (off the loop, after admission); an unset max_tokens
@@ -366,40 +256,52 @@ def build_app(router: Router) -> FastAPI:
         shape = ResponseShape(
             True,
             f"chatcmpl-{rid}",
-            router.served_model_name,
+            self.router.served_model_name,
             body.return_token_ids,
-            router.tokenizer,
+            self.router.tokenizer,
             logprobs=body.output_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             tools=body.tool_mode(),
             per_prompt=body.n,
             keep=body.n,
         )
-        return await respond(request, body, [req], shape, "messages", fill_max_tokens=True)
+        return await self._respond(request, body, [req], shape, "messages", fill_max_tokens=True)
 
-    async def respond(
-        request: Request, body, reqs, shape: ResponseShape, prompt_field: str, fill_max_tokens: bool = False
+    async def _respond(
+        self,
+        request: Request,
+        body,
+        reqs,
+        shape: ResponseShape,
+        prompt_field: str,
+        fill_max_tokens: bool = False,
     ) -> Response:
+        owner = owner_of(request.headers.items())
+        resumable = body.stream and len(reqs) == 1 and shape.per_prompt == 1
+        last = request.headers.get("last-event-id", "") if resumable else ""
+        if last:  # the stream of a router that went away, resumed here (router.resume)
+            return await self._resume(body, last, shape, owner, prompt_field)
         handles: list[Inflight] = []
         try:
             for req in reqs:
-                handles.append(await router.admit(req, None, "http", fill_max_tokens))
+                handles.append(await self.router.admit(req, None, "http", fill_max_tokens, owner=owner))
         except BaseException as err:  # a refusal, or the client left while a prompt was tokenized
             for handle in handles:
-                router.withdraw(handle)
+                self.router.withdraw(handle)
             if isinstance(err, (InvalidRequestError, RequestRejected)):
                 raise ApiError.of(err, prompt_field) from None
             raise
         k = shape.per_prompt
         if shape.echo or shape.prompt_logprobs:
             shape.prompts = [
-                Echo(r.text if r.HasField("text") else router.tokenizer.decode(h.ids), h.ids)
+                Echo(r.text if r.HasField("text") else self.router.tokenizer.decode(h.ids), h.ids)
                 for r, h in zip(reqs, handles, strict=True)
                 for _ in range(k)
             ]
-        fanout = Fanout(router, handles, k)
+        fanout = Fanout(self.router, handles, k)
         if body.stream:
-            events = sse(fanout, shape, len(reqs) * k, body.include_usage, prompt_field)
+            ids = handles[0].request_id if resumable else None
+            events = sse(fanout, shape, len(reqs) * k, body.include_usage, prompt_field, ids)
             # the background task runs however the response ends: a stream that never started
             # (the client left at once) still cancels its requests
             cleanup = BackgroundTasks()
@@ -407,59 +309,62 @@ def build_app(router: Router) -> FastAPI:
             return StreamingResponse(events, media_type="text/event-stream", background=cleanup)
         return await collect(request, fanout, shape, len(reqs) * k, prompt_field)
 
-    return app
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def sse(fanout: Fanout, shape: ResponseShape, n: int, include_usage: bool, prompt_field: str):
-    """The stream's events: a chunk per message (the last of a choice carries its finish_reason and
-    timings), then usage when asked for, then [DONE]. Closing it (a disconnect) cancels the requests."""
-    states = [ChoiceState() for _ in range(n)]
-    try:
-        async for index, msg in fanout:
-            chunk = shape.chunk(index, states[index], msg)
-            if include_usage:
-                chunk["usage"] = None
-            yield _event(chunk)
-        if include_usage:
-            yield _event(shape.usage_chunk([s.finished for s in states]))
-    except (InvalidRequestError, RequestRejected) as err:  # headers are sent: the error is an event
-        yield _event(error_body(ApiError.of(err, prompt_field).status, str(err)))
-    finally:
-        fanout.cancel()
-    yield "data: [DONE]\n\n"
-
-
-async def collect(
-    request: Request, fanout: Fanout, shape: ResponseShape, n: int, prompt_field: str
-) -> Response:
-    """The whole response, or nothing if the client goes away first (its requests are then released)."""
-    states = [ChoiceState() for _ in range(n)]
-
-    async def gather() -> None:
-        async for index, msg in fanout:
-            shape.add(index, states[index], msg)
-
-    gathering = asyncio.ensure_future(gather())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({gathering, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not gathering.done():
-            return Response(status_code=499)  # nobody is listening any more
+    async def _resume(
+        self, body, last_event_id: str, shape: ResponseShape, owner: str, field: str
+    ) -> Response:
+        """A streamed request resumed from SSE's Last-Event-ID (`<request id>:<tokens the client has>`,
+        the ids of our events): the rest of its events, nothing recomputed."""
+        request_id, _, count = last_event_id.rpartition(":")
+        if not request_id or not count.isdigit():
+            raise ApiError(400, "Last-Event-ID: expected <request id>:<tokens received>", "Last-Event-ID")
+        have = int(count)
+        ask = generate_pb2.GenerateRequest(request_id=request_id, resume=generate_pb2.Resume(tokens=have))
         try:
-            gathering.result()
+            handle = await self.router.admit_resume(ask, None, "http", owner)
         except (InvalidRequestError, RequestRejected) as err:
-            return ApiError.of(err, prompt_field).response()
-    finally:
-        gone.cancel()
-        gathering.cancel()
-        fanout.cancel()
-    return JSONResponse(shape.whole(states))
+            raise ApiError.of(err, "Last-Event-ID") from None
+        fanout = Fanout(self.router, [handle], 1, resumed_from=have)
+        events = sse(fanout, shape, 1, body.include_usage, field, request_id, have)
+        cleanup = BackgroundTasks()
+        cleanup.add_task(fanout.cancel)
+        return StreamingResponse(events, media_type="text/event-stream", background=cleanup)
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+# (method, path, OpenAIServing's method): registered in this order (build_app)
+ROUTES = (
+    ("GET", "/health", "health"),
+    ("GET", "/v1/models", "models"),
+    ("GET", "/metrics", "metrics"),
+    ("GET", "/tokenizer_info", "tokenizer_info"),
+    ("POST", "/tokenize", "tokenize"),
+    ("POST", "/detokenize", "detokenize"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body FastAPI could not parse or validate: a 400 naming the field, as OpenAI's."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        ).response()
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+    return ApiError(400, f"{where}: {first.get('msg', 'invalid')}", where).response()
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+def build_app(router: Router) -> FastAPI:
+    """The HTTP app of `router`: the `Gate`, the error handlers and `ROUTES` over an `OpenAIServing`."""
+    app = FastAPI(title="kvferry", summary="OpenAI-compatible API of a kvferry cluster")
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_middleware(Gate, router=router)
+    serving = OpenAIServing(router)
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(serving, name), methods=[method])
+    return app

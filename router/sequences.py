@@ -9,20 +9,31 @@ the siblings start once the leader's first token is out, so its prompt is in the
 cache, and go to the leader's worker while it is up. A leader that fails or is aborted before its
 prefill answers leaves each sibling to prefill alone. Messages carry their sequence's `index`.
 
-`Sequences` is one of the five parts of `router.server.Router` (with `router.admission`, `router.slo`,
-`router.dispatch` and `router.relay`).
+`Sequences` runs the n streams (`run`, each through the router's one-sequence pipeline it is given) and
+makes each sequence's prefill (`prefill`: its own through `router.dispatch`, or its share of the
+leader's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import grpc
 
-from kvferry.router.admission import Inflight, RequestRejected
-from kvferry.v1 import worker_pb2
+from kvferry.convert import sampling_to_proto
+from kvferry.router.inflight import Inflight, RequestRejected
+from kvferry.v1 import generate_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from kvferry.router.admission import Admission
+    from kvferry.router.dispatch import PrefillDispatch
+    from kvferry.router.metrics import RouterMetrics
+
+Stream = AsyncIterator[generate_pb2.GenerateResponse]
 
 
 @dataclass
@@ -40,10 +51,16 @@ class LeaderGone(Exception):
 
 
 class Sequences:
-    """Router methods: a request of n sequences."""
+    """The sequences of a request: n of them run at once (`run`), and each one's prefill (`prefill`)."""
 
-    async def _run_n(self, handle: Inflight):
-        """Run the n sequences of `handle` at once; their messages, with `index` set, as they come."""
+    def __init__(self, admission: Admission, dispatch: PrefillDispatch, metrics: RouterMetrics):
+        self.admission = admission
+        self.dispatch = dispatch
+        self.metrics = metrics
+
+    async def run(self, handle: Inflight, run_one: Callable[[Inflight], Stream]) -> Stream:
+        """Run the n sequences of `handle` at once, each as `run_one` streams one (and releases what it
+        holds); their messages, with `index` set, as they come. Raises the first error of any."""
         n = handle.params.n
         shared = SharedPrefill(n, leader=handle)
         handle.shared = shared
@@ -52,14 +69,14 @@ class Sequences:
                 handle.siblings.append(self._sibling(handle, i, shared))
         except RequestRejected:  # an id taken: nothing ran, so nothing is left in flight
             for sibling in handle.siblings:
-                self.withdraw(sibling)
-            self.withdraw(handle)
+                self.admission.withdraw(sibling)
+            self.admission.withdraw(handle)
             raise
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, h: Inflight) -> None:
             try:
-                async with contextlib.aclosing(self._run_one(h)) as stream:
+                async with contextlib.aclosing(run_one(h)) as stream:
                     async for message in stream:
                         message.index = index
                         queue.put_nowait(message)
@@ -99,7 +116,7 @@ class Sequences:
     def _sibling(self, handle: Inflight, index: int, shared: SharedPrefill) -> Inflight:
         """Sequence `index` of `handle` as a request in flight of its own (its own seed: seed + index)."""
         rid = f"{handle.request_id}-{index}"
-        if rid in self.inflight:
+        if self.admission.holds(rid):
             raise RequestRejected(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} (sequence {index}) is already in flight"
             )
@@ -109,12 +126,29 @@ class Sequences:
         sibling.track = self.metrics.track(handle.track.api, handle.t0)
         sibling.cache_salt, sibling.shared, sibling.index = handle.cache_salt, shared, index
         sibling.priority = handle.priority
-        sibling.prompt_keys, sibling.pooled = (
-            handle.prompt_keys,
-            handle.pooled,
-        )  # the request's one hash, lookup
-        self.inflight[rid] = sibling
+        sibling.prompt_keys, sibling.pooled = handle.prompt_keys, handle.pooled  # the request's one lookup
+        self.admission.add(sibling)
         return sibling
+
+    async def prefill(self, handle: Inflight) -> worker_pb2.PrefillResponse | None:
+        """The prefill of a sequence: its own (one sequence, or a sibling whose leader's did not come),
+        or, for the leader of n, one that samples every sequence's first token. None: Abort() came."""
+        shared = handle.shared
+        if shared is not None and handle.index:
+            prefill = await self._sibling_prefill(handle)
+            if prefill is not None:
+                return prefill
+        n = shared.n if shared is not None and not handle.index else 1
+        sampling = sampling_to_proto(replace(handle.params, n=n))
+        try:
+            prefill = await self.dispatch.prefill(handle, sampling, handle.prompt_keys, handle.pooled)
+        except BaseException as err:
+            if shared is not None and not handle.index and not shared.prefill.done():
+                shared.prefill.set_exception(LeaderGone(str(err)))
+            raise
+        if shared is not None and not handle.index and not shared.prefill.done():
+            shared.prefill.set_result(prefill)
+        return prefill
 
     async def _sibling_prefill(self, handle: Inflight) -> worker_pb2.PrefillResponse | None:
         """A sibling's view of the leader's prefill: its own first token, the same KV. None: the leader's

@@ -1,16 +1,22 @@
 """The router: the cluster's public gRPC front door (asyncio).
 
 Generate: cheap limits (`router.limits`) -> admit (RESOURCE_EXHAUSTED past --max-inflight, counted
-before any work) -> tokenize (off the event loop) and validate every field (`router.admission`) ->
-block keys -> ask the pool how much of the prefix is cached (the request's one hash and one lookup,
-both sent on to the workers) -> the prefill worker whose own cache is expected to hold most of the
-prompt's prefix, weighed against load (`router.dispatch`, `router.prefix_routing`; first token + KV
-locations) -> least-loaded decode worker (pulls the KV, streams tokens) -> relay with incremental
-detokenization and stop strings applied here (`router.relay`). A worker that dies or refuses is
-replaced by another (`router.failover`): a prefill is sent again, a decode stream resumes where it
-broke. Whatever ends a request early (client cancel, deadline, Abort, a stop string) is propagated: the
-in-flight worker call is cancelled, the decode worker is told to abort, and the pool drops the
-request's private blocks. Every worker call has a deadline: the client's, else --request-timeout-s.
+before any work) -> tokenize (off the event loop) and validate every field -> block keys -> ask the pool
+how much of the prefix is cached (the request's one hash and one lookup, both sent on to the workers)
+-> SLO check (`router.admission`, `router.slo`) -> the prefill worker whose own cache is expected to hold
+most of the prompt's prefix, weighed against load (`router.dispatch`, `router.prefix_routing`; first
+token + KV locations) -> least-loaded decode worker (pulls the KV, streams tokens) -> relay with
+incremental detokenization and stop strings applied here (`router.relay`). A worker that dies or
+refuses is replaced by another (`router.failover`): a prefill is sent again, a decode stream resumes
+where it broke. Whatever ends a request early (client cancel, deadline, Abort, a stop string) is
+propagated (`router.release`): the in-flight worker call is cancelled, the decode worker is told to
+abort, and the pool drops the request's private blocks. Every worker call has a deadline: the client's,
+else --request-timeout-s.
+
+`Router` builds each part as an object of its own with what it needs, and `generate` runs a request
+through them: `Admission.admit` -> `run` (n > 1: `Sequences.run`) -> per sequence `_sequence`
+(`Sequences.prefill` -> `PrefillDispatch.prefill` -> first token -> `DecodeRelay.relay`), wrapped by
+`_run_one` (metrics per message, then `Releases.end`). A resume: `Resumes.admit` -> `Resumes.stream`.
 
 The public API asks for a bearer API key when given some (--api-key; the cluster secret is accepted
 too) and serves TLS when given a certificate (--ssl-certfile/--ssl-keyfile), on gRPC and HTTP alike.
@@ -27,45 +33,39 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.auth import Credentials, cluster_secret, server_interceptors
-from kvferry.convert import logprob_from_proto, sampling_to_proto
+from kvferry.auth import Credentials, cluster_secret, owner_of, server_interceptors
+from kvferry.convert import logprob_from_proto
 from kvferry.engine.output import OutputState
-from kvferry.engine.request import (
-    InvalidRequestError,
-    Request,
-)
+from kvferry.engine.request import InvalidRequestError, Request
 from kvferry.flags import add_config_args, config_from
 from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.config import generation_defaults
 from kvferry.model.create import resolve_model
 from kvferry.model.tokenizer import Tokenizer
 from kvferry.proc import settle_heap
-from kvferry.router.admission import Admission, Inflight, RequestRejected, error_code
+from kvferry.router.admission import Admission
 from kvferry.router.config import RouterConfig
+from kvferry.router.decode_link import DecodeLinks
 from kvferry.router.directory import Directory
 from kvferry.router.dispatch import PrefillDispatch, cached_of
+from kvferry.router.failover import Failover
 from kvferry.router.http_server import start_http
+from kvferry.router.inflight import Inflight, RequestRejected, error_code
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import PrefillRouting, RoutingConfig
-from kvferry.router.relay import Relay, StreamRelay, response
-from kvferry.router.sequences import LeaderGone, Sequences
-from kvferry.router.slo import SloAdmission, check_default_target
-from kvferry.rpc import (
-    MAX_MESSAGE_BYTES,
-    SERVER_KEEPALIVE,
-    Heartbeat,
-    aio_channel,
-    hard_exit,
-    service_names,
-)
+from kvferry.router.relay import DecodeRelay, Relay, response
+from kvferry.router.release import Releases
+from kvferry.router.resume import Resumes
+from kvferry.router.sequences import Sequences
+from kvferry.router.slo import SloPredictor, check_default_target
+from kvferry.rpc import MAX_MESSAGE_BYTES, SERVER_KEEPALIVE, Heartbeat, hard_exit, service_names
 from kvferry.settings import load_settings
-from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2
+from kvferry.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,12 @@ def public_model_name(name: str) -> str:
     return name
 
 
-class Router(
-    Admission, SloAdmission, PrefillDispatch, StreamRelay, Sequences, generate_pb2_grpc.GenerationServicer
-):
+class Router(generate_pb2_grpc.GenerationServicer):
+    """The request path over its collaborators (each built here with what it needs): `admission` (the
+    in-flight table; checks, tokenizing, block keys, pool lookup), `slo` (the SLO predictor), `dispatch`
+    (the prefill), `relay` (the decode stream), `sequences` (n > 1), `resumes` (streams of a router that
+    went away) and `releases` (what an ended request leaves behind; aborts). The gRPC methods delegate."""
+
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model, load_settings().models_dir)
@@ -100,62 +103,102 @@ class Router(
         names = cfg.served_model_name or (cfg.model,)
         self.served_model_name = public_model_name(names[0])
         self.model_names = {*names, self.served_model_name, cfg.model, str(self.model_dir)}
-        self.sampling_defaults = generation_defaults(self.model_dir, cfg.generation_config)
-        self._grammars = None  # structured outputs' compiler (Admission.grammars)
         self.credentials = Credentials(cluster_secret(), cfg.api_keys)
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
         self.directory = Directory(self.meta, cfg.refresh_s, colocated=cfg.colocated)
         self.metrics = RouterMetrics(self.served_model_name, self.directory)
         self.routing = PrefillRouting(RoutingConfig(mode=cfg.routing), self.directory)
-        self.inflight: dict[str, Inflight] = {}
-        self.ending: set[asyncio.Future] = set()  # releases that outlive their request's stream (`_end`)
-        self.pool_channels: dict[str, grpc.aio.Channel] = {}
-        self._init_slo()
+        self.links = DecodeLinks()  # one relay link per decode worker (router.decode_link)
+        failover = Failover(self.directory, self.metrics)
+        self.slo = SloPredictor(cfg, self.directory, self.routing, self.metrics)
+        defaults = generation_defaults(self.model_dir, cfg.generation_config)
+        self.admission = Admission(
+            cfg, self.directory, self.metrics, self.meta, self.tokenizer, defaults, self.slo
+        )
+        self.dispatch = PrefillDispatch(self.routing, self.metrics, self.slo, failover)
+        self.relay = DecodeRelay(self.directory, self.links, failover, cfg.detach_grace_s)
+        self.sequences = Sequences(self.admission, self.dispatch, self.metrics)
+        self.resumes = Resumes(self.admission, self.directory, self.metrics, self.tokenizer, self.relay)
+        self.releases = Releases(self.directory, self.admission)
+        self.draining = False  # stopping: health says so, the streams in flight finish
 
-    # -- Generate (admission: router.admission, router.slo; the prefill: router.dispatch; the stream:
-    # router.relay; n sequences of one prompt: router.sequences) --
-    async def Generate(self, request, context):
-        """The gRPC face of `generate`: typed errors become status codes."""
-        try:
-            async with contextlib.aclosing(self.generate(request, context.time_remaining())) as stream:
-                async for message in stream:
-                    yield message
-        except InvalidRequestError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except RequestRejected as err:
-            trailer = (
-                ()
-                if err.retry_after_s is None
-                else (("retry-after-ms", str(round(err.retry_after_s * 1e3))),)
-            )
-            await context.abort(err.code, str(err), trailing_metadata=trailer)
-
+    # -- the request path, whichever API it came by ---------------------------------------------------
     async def generate(
-        self, request: generate_pb2.GenerateRequest, timeout: float | None = None, api: str = "grpc"
+        self,
+        request: generate_pb2.GenerateRequest,
+        timeout: float | None = None,
+        api: str = "grpc",
+        owner: str = "",
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Serve one request, whichever API it came by: `admit`, then `run`'s messages."""
-        handle = await self.admit(request, timeout, api)
-        async with contextlib.aclosing(self.run(handle)) as stream:
-            async for message in stream:
-                yield message
-
-    async def run(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """The stream of an admitted request, the last message with `finished` (of each sequence, for
-        n > 1: `router.sequences`). Raises RequestRejected when a worker fails it (its code says why).
-        Closing the stream early (the client went away) releases everything the request holds in the
-        workers and the pool."""
-        stream = self._run_n(handle) if handle.params.n > 1 else self._run_one(handle)
+        """Serve one request: `open_stream`, then its messages. `owner`: who sent it
+        (kvferry.auth.owner_of)."""
+        stream = await self.open_stream(request, timeout, api, owner)
         async with contextlib.aclosing(stream):
             async for message in stream:
                 yield message
 
-    async def _run_one(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """One sequence's stream (`run`)."""
+    async def open_stream(
+        self,
+        request: generate_pb2.GenerateRequest,
+        timeout: float | None = None,
+        api: str = "grpc",
+        owner: str = "",
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Admit a request (`admit`; a resume: `admit_resume`) and return its stream (`run`,
+        `run_resumed`), not started yet: iterate it to the end, or close it to release the request."""
+        if request.HasField("resume"):
+            handle = await self.admit_resume(request, timeout, api, owner)
+            return self.run_resumed(handle, request.resume.tokens)
+        handle = await self.admit(request, timeout, api, owner=owner)
+        return self.run(handle)
+
+    async def admit(
+        self,
+        request: generate_pb2.GenerateRequest,
+        timeout: float | None,
+        api: str,
+        fill_max_tokens: bool = False,
+        owner: str = "",
+    ) -> Inflight:
+        """`Admission.admit`: the request is in flight from now on; `run` it, or `withdraw` it."""
+        return await self.admission.admit(request, timeout, api, fill_max_tokens, owner)
+
+    async def admit_resume(
+        self, request: generate_pb2.GenerateRequest, timeout: float | None, api: str, owner: str
+    ) -> Inflight:
+        """`Resumes.admit`: the resume of a stream whose router went away; `run_resumed` it."""
+        return await self.resumes.admit(request, timeout, api, owner)
+
+    def withdraw(self, handle: Inflight) -> None:
+        """Forget an admitted request that was never run."""
+        self.admission.withdraw(handle)
+
+    def run(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The stream of an admitted request, the last message with `finished` (of each sequence, for
+        n > 1: `router.sequences`). Raises RequestRejected when a worker fails it (its code says why).
+        Closing the stream early (the client went away) releases everything the request holds in the
+        workers and the pool."""
+        if handle.params.n > 1:
+            return self.sequences.run(handle, self._run_sequence)
+        return self._run_sequence(handle)
+
+    def run_resumed(self, handle: Inflight, have: int) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """`run` for a resumed request (`admit_resume`): the client has `have` tokens of it."""
+        return self._run_one(handle, self.resumes.stream(handle, have))
+
+    def _run_sequence(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        return self._run_one(handle, self._sequence(handle))
+
+    async def _run_one(
+        self, handle: Inflight, source: AsyncIterator[generate_pb2.GenerateResponse]
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """One sequence's stream: `source`'s messages (each timed), and the release of what it holds."""
         code = grpc.StatusCode.CANCELLED
         completed = False
+        seen = handle.track.message
         try:
-            async for message in self._generate(handle):
-                handle.track.message(message)
+            async for message in source:
+                seen(message)
                 yield message
             completed = True
         except (InvalidRequestError, RequestRejected) as err:
@@ -168,158 +211,104 @@ class Router(
             handle.track.done(code.name)
             everything = not completed or handle.aborted
             if everything or handle.release_pool:
-                ending = asyncio.ensure_future(self._end(handle, everything))
-                self.ending.add(ending)
-                ending.add_done_callback(self.ending.discard)
-                await asyncio.shield(ending)  # a client gone meanwhile cancels this wait, not the release
+                await self.releases.end(handle, everything)
             else:
-                del self.inflight[handle.request_id]
+                self.admission.forget(handle.request_id)
 
-    async def _end(self, handle: Inflight, everything: bool) -> None:
-        """Release what a request leaves behind (`everything`: in the workers and the pool; else the
-        pool's private tail), then free its id: a release must not hit a successor with the same id.
-        Its own task, so a cancel of the request's stream (the client went away just as its last
-        message went out) cannot cut the release short and leave the tail to the pool's TTL."""
-        try:
-            if everything:
-                await self._cleanup(handle)
-            else:
-                await self._release_pool(handle.request_id)
-        finally:
-            del self.inflight[handle.request_id]
-
-    async def _generate(self, handle: Inflight):
-        ids, params, t0 = handle.ids, handle.params, handle.t0
+    async def _sequence(self, handle: Inflight) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """One sequence: its prompt's keys and pool lookup (unless admission made them), its prefill, its
+        first token, then its decode relayed (colocated: one worker's stream does both)."""
         model = self.directory.model
-        rid = handle.request_id
-        req = Request(rid, ids, params)
+        req = Request(handle.request_id, handle.ids, handle.params)
         state = OutputState(req, self.tokenizer, tuple(model.eos_token_ids), model.max_model_len)
         if handle.prompt_keys is None:  # (made at admission, except colocated and a request's siblings)
-            await self._look_up(handle, handle.cache_salt)
-        prompt_keys, pooled = handle.prompt_keys, handle.pooled
-        cached = len(pooled) * model.block_size
-
+            await self.admission.look_up(handle, handle.cache_salt)
+        cached = len(handle.pooled) * model.block_size
+        relay = Relay(req, state, {}, (cached, cached), handle.t0)
         if handle.aborted:
-            yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
+            yield relay.final("abort")
             return
         if self.cfg.colocated:
             if handle.index:  # a sibling: once the leader's prompt is in its worker's prefix cache
                 await handle.shared.started.wait()
-            async for message in self._colocated(handle, req, state, params, prompt_keys, t0):
+            relay.cached = (0, 0)  # (the worker's first message says its own)
+            async for message in self.relay.colocated(handle, relay):
                 yield message
             return
         t_prefill = time.perf_counter()
-        prefill = await self._shared_or_own_prefill(handle, ids, prompt_keys, pooled)
+        prefill = await self.sequences.prefill(handle)
         if prefill is None:
-            yield self._final(handle, req, state, "abort", (cached, cached), {}, t0)
+            yield relay.final("abort")
             return
-        ttft = time.perf_counter() - t0
-        timings = {
-            "queue_ms": (t_prefill - t0) * 1e3 + prefill.queue_ms,
-            "prefill_ms": prefill.prefill_ms,
-            "kv_transfer_ms": prefill.kv_put_ms,
-            "ttft_ms": ttft * 1e3,
-        }
-        if handle.prediction is not None and handle.prediction.ttft_ms is not None:
-            timings["predicted_ttft_ms"] = handle.prediction.ttft_ms
-            self.first_token(handle, ttft * 1e3)
-        if handle.prediction is not None and handle.prediction.tpot_ms is not None:
-            timings["predicted_tpot_ms"] = handle.prediction.tpot_ms
+        relay.timings = self._first_token_timings(handle, prefill, t_prefill)
+        relay.cached = cached_of(prefill)
         req.prompt_logprobs = [logprob_from_proto(x) for x in prefill.prompt_logprobs]
         first = logprob_from_proto(prefill.first_logprob) if prefill.HasField("first_logprob") else None
         status = state.add_token(prefill.first_token_id, first)
         if status is not None:
             req.status = status
             handle.release_pool = True  # no decode will pull the private tail: release it
-            yield self._final(handle, req, state, None, cached_of(prefill), timings, t0)
+            yield relay.final()
             return
-        yield response(rid, state.emit())
-
+        yield response(handle.request_id, state.emit())
         if handle.aborted:  # Abort() came while the first token was on its way
-            yield self._final(handle, req, state, "abort", cached_of(prefill), timings, t0)
+            yield relay.final("abort")
             return
-        decode_req = worker_pb2.DecodeRequest(
-            request_id=rid,
-            prompt_token_ids=ids,
-            first_token_id=prefill.first_token_id,
-            # stop strings are applied here; the prompt's logprobs came with the prefill
-            sampling=sampling_to_proto(replace(params, stop=(), prompt_logprobs=None, n=1)),
-            blocks=prefill.blocks,
-            num_kv_tokens=prefill.num_kv_tokens,
-            keys=prompt_keys,
-            priority=handle.priority,
-        )
-        relay = Relay(req, state, timings, cached_of(prefill), t0)
-        async for message in self._relay(handle, decode_req, relay):
+        decode_req = self.relay.decode_request(handle, prefill, relay.cached)
+        async for message in self.relay.relay(handle, decode_req, relay):
             yield message
 
-    async def _shared_or_own_prefill(self, handle: Inflight, ids, prompt_keys, pooled):
-        """The prefill of a sequence: its own (one sequence, or a sibling whose leader's did not come),
-        or, for the leader of n, one that samples every sequence's first token (router.sequences)."""
-        shared = handle.shared
-        if shared is not None and handle.index:
-            prefill = await self._sibling_prefill(handle)
-            if prefill is not None:
-                return prefill
-        sampling = sampling_to_proto(replace(handle.params, n=shared.n if shared and not handle.index else 1))
+    def _first_token_timings(
+        self, handle: Inflight, prefill: worker_pb2.PrefillResponse, t_prefill: float
+    ) -> dict[str, float]:
+        """The timings up to the first token (and the predictions made for it, which learn from it)."""
+        ttft = time.perf_counter() - handle.t0
+        timings = {
+            "queue_ms": (t_prefill - handle.t0) * 1e3 + prefill.queue_ms,
+            "prefill_ms": prefill.prefill_ms,
+            "kv_transfer_ms": prefill.kv_put_ms,
+            "ttft_ms": ttft * 1e3,
+        }
+        prediction = handle.prediction
+        if prediction is not None and prediction.ttft_ms is not None:
+            timings["predicted_ttft_ms"] = prediction.ttft_ms
+            self.slo.first_token(handle, ttft * 1e3)
+        if prediction is not None and prediction.tpot_ms is not None:
+            timings["predicted_tpot_ms"] = prediction.tpot_ms
+        return timings
+
+    # -- the gRPC servicer ----------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        """The gRPC face of `generate` (one async generator less per message): typed errors become
+        status codes."""
+        owner = owner_of(context.invocation_metadata())
         try:
-            prefill = await self._prefill(handle, ids, sampling, prompt_keys, pooled)
-        except BaseException as err:
-            if shared is not None and not handle.index and not shared.prefill.done():
-                shared.prefill.set_exception(LeaderGone(str(err)))
-            raise
-        if shared is not None and not handle.index and not shared.prefill.done():
-            shared.prefill.set_result(prefill)
-        return prefill
+            stream = await self.open_stream(request, context.time_remaining(), owner=owner)
+            async with contextlib.aclosing(stream):
+                async for message in stream:
+                    yield message
+        except InvalidRequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except RequestRejected as err:
+            trailer = (
+                ()
+                if err.retry_after_s is None
+                else (("retry-after-ms", str(round(err.retry_after_s * 1e3))),)
+            )
+            await context.abort(err.code, str(err), trailing_metadata=trailer)
 
-    async def _cleanup(self, handle: Inflight) -> None:
-        """Release everything a request that ended early holds in the workers and the pool."""
-        for call in list(handle.calls):
-            call.cancel()
-        rid = handle.request_id
-        if handle.decode is not None:
-            try:
-                await handle.decode.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=rid), timeout=5)
-            except grpc.aio.AioRpcError as err:
-                log.warning("abort of %s on %s failed: %s", rid, handle.decode.member_id, err)
-        await self._release_pool(rid)
-
-    async def _release_pool(self, request_id: str) -> None:
-        for node_id, node in list(self.directory.pool_nodes.items()):  # the registry, as last read
-            addr = node.addr
-            channel = self.pool_channels.get(addr)
-            if channel is None:
-                channel = self.pool_channels[addr] = aio_channel(addr)
-            try:
-                await pool_pb2_grpc.KVPoolStub(channel).Release(
-                    pool_pb2.ReleaseRequest(request_id=request_id), timeout=5
-                )
-            except grpc.aio.AioRpcError as err:
-                log.warning("release of %s on pool node %s failed: %s", request_id, node_id, err)
-
-    # -- other RPCs -----------------------------------------------------------------------------------
     async def Abort(self, request, context):
-        handle = self.inflight.get(request.request_id)
-        if handle is None:
+        handle = self.admission.get(request.request_id)
+        if handle is None:  # admitted by another router of the fleet, maybe
+            owner = owner_of(context.invocation_metadata())
+            if await self.releases.abort_elsewhere(request.request_id, owner):
+                return generate_pb2.AbortResponse()
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
             )
         for one in (handle, *handle.siblings):  # every sequence of the request
-            await self._abort(one)
+            await self.releases.abort(one)
         return generate_pb2.AbortResponse()
-
-    async def _abort(self, handle: Inflight) -> None:
-        handle.aborted = True
-        if handle.decode is not None:
-            try:
-                await handle.decode.stub.Abort(
-                    worker_pb2.WorkerAbortRequest(request_id=handle.request_id), timeout=5
-                )
-            except grpc.aio.AioRpcError as err:
-                log.warning("abort of %s failed: %s", handle.request_id, err)
-        else:
-            for call in list(handle.calls):
-                call.cancel()
 
     async def GetModelInfo(self, request, context):
         model = self.directory.model
@@ -372,6 +361,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
     port = _bind(server, cfg)
     await server.start()
     await router.directory.start()
+    if router.routing.reader is not None:  # the workers' caches as their KV events say, before routing
+        await asyncio.to_thread(router.routing.reader.ready.wait, 5)
     log.info("router listening on %s:%d%s", cfg.host, port, " (TLS)" if cfg.ssl_certfile else "")
 
     async def track_health() -> None:
@@ -396,7 +387,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
         uuid.uuid4().hex[:12],
         lambda: (
             router.metrics.traffic.summary()
-            | {"addr": f"{cfg.host}:{port}", "inflight": len(router.inflight)}
+            | {"addr": f"{cfg.host}:{port}", "inflight": router.admission.count(), "pid": os.getpid()}
         ),
         interval_s=1.0,
         ttl_s=5.0,
@@ -408,14 +399,17 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
     if on_started is not None:
         on_started()
     await stop.wait()
+    router.draining = True
     await asyncio.to_thread(traffic.stop)
     tracker.cancel()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=5)
+    # the drain: neither port takes new connections (the host's other routers do), the streams in
+    # flight get cfg.drain_s to finish
+    await asyncio.gather(*([http.stop()] if http is not None else []), server.stop(grace=cfg.drain_s))
+    router.links.close()
     await router.directory.stop()
+    router.routing.close()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,9 +7,17 @@ Targets come per request (`GenerateRequest.slo`, the OpenAI body's `slo`), else 
 come from the workers themselves: each engine fits its step time against the tokens and attention pairs
 of its batches (`engine.cost_model`) and publishes the fit in its heartbeat. From those:
 
-- **TTFT** on a prefill worker = the work queued ahead of the request there + its own prefill. The router
-  knows every prefill it has in flight on each worker (`PrefillQueues`) and its predicted cost: work of
-  the same or a higher priority counts as ahead, of a lower one at most the prefill it may be running.
+- **TTFT** on a prefill worker = the work queued ahead of the request there + its own prefill. Every
+  prefill worker publishes its backlog (`kvferry.worker.backlog`, read by `router.directory` every 50 ms):
+  per priority, the prompt tokens it still has to compute, queued and running, in steps and attention
+  pairs, so it is priced with the worker's step model as a prompt is. Work of the same or a higher
+  priority counts as ahead, of a lower one only what is running (a running prefill keeps its chunks'
+  token budget). Whichever router sent it, every prefill is in that figure, so N routers admit alike. On
+  top of it, each prefill this router sent there that the record does not show yet (`PrefillQueues`: its
+  id is not among the record's lately admitted ids, and it went out less than LOCAL_WINDOW_S ago), so a
+  burst from this router between two records is not missed, and none is counted twice. A worker whose
+  record is missing or stale (unchanged for `router.backlog.BACKLOG_STALE_S`) is priced from this
+  router's own prefills in flight there alone (what one router sees of the backlog).
   Its own prefill is priced for the tokens that worker would compute (`PrefillRouting.preview`: pool hits
   and the worker's expected local hits taken off), in chunks of the worker's token budget. The
   prediction is the best worker's, times a learned scale: the median of actual / priced TTFT over the
@@ -24,6 +32,10 @@ of its batches (`engine.cost_model`) and publishes the fit in its heartbeat. Fro
 
 `/metrics`: `predicted_ttft_seconds`, `ttft_prediction_ratio` (actual / predicted) and
 `admission_predicted_misses_total{reason=ttft|tpot, action=reject|deprioritize}`.
+
+`SloPredictor` holds what this router knows (its prefills in flight, what it learned) and offers the
+verbs: `admit_by_slo` (from `router.admission`), `prefill_sent` / `prefill_ended` (from
+`router.dispatch`) and `first_token` (when a request's first token comes).
 """
 
 from __future__ import annotations
@@ -31,13 +43,24 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvferry.engine.cost_model import StepCost
 from kvferry.engine.loop import PACE_MIN_RUNNING
 from kvferry.engine.request import InvalidRequestError
+from kvferry.router.backlog import BACKLOG_STALE_S, PublishedBacklog, Work, request_digest
+from kvferry.router.inflight import Inflight, RequestRejected
+from kvferry.v1 import generate_pb2
+
+if TYPE_CHECKING:
+    from kvferry.router.config import RouterConfig
+    from kvferry.router.directory import Directory, Member
+    from kvferry.router.metrics import RouterMetrics
+    from kvferry.router.prefix_routing import PrefillRouting
 
 DEPRIORITIZED = 2**31 - 1  # the priority a deprioritized request is queued at: behind every other
 MAX_SLO_MS = 86_400_000.0  # a day
@@ -56,6 +79,9 @@ SAMPLE_TTL_S = 10.0
 MAX_PRIORITY_LEVELS = 64  # priorities learned about at once (clients choose them: the memory is bounded)
 DEFAULT_TOKEN_BUDGET = 512  # a worker whose heartbeat does not say its step's token budget
 TPOT_OUTPUT_CAP = 512  # output tokens counted in a request's mean decode context at most
+# this router's prefills sent to a worker count on top of its published backlog while the record does not
+# show them, at most this long (the workers publish the ids they admitted over the last 3 s)
+LOCAL_WINDOW_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,7 @@ class Prediction:
 
     def miss(self, targets: Targets, ttft_factor: float = 1.0) -> str | None:
         """Which target the prediction misses ("ttft", "tpot"), or None; `ttft_factor`: the predicted
-        TTFT is scaled by it first (the prediction's error, `SloAdmission.ttft_margin`)."""
+        TTFT is scaled by it first (the prediction's error, `SloPredictor.ttft_margin`)."""
         if (
             targets.ttft_ms is not None
             and self.ttft_ms is not None
@@ -111,24 +137,38 @@ class Prediction:
 
 
 class PrefillQueues:
-    """The prefills the router has in flight on each prefill worker, with their predicted cost. An entry
-    leaves when the worker answers, so a worker's entries are its real backlog, priced: `wait_ms` for a
-    new request of a given priority is the cost of every entry of the same or a higher priority, plus the
-    largest lower-priority one (which the worker may be running: a running prefill keeps its chunks' token
-    budget; engine.scheduler preempts for blocks and seats, not for budget). The head's work is partly
-    done and the worker is slower than its steps alone (KV writes, the cores it shares): the calibration
-    `SloAdmission` learns from served requests absorbs both."""
+    """The prefills this router has in flight on each prefill worker, with their predicted cost and when
+    they went out. An entry leaves when the worker answers.
+
+    Alone (`wait_ms`: no record from the worker), a worker's entries are the backlog this router knows
+    of: for a new request of a given priority, the cost of every entry of the same or a higher priority,
+    plus the largest lower-priority one (which the worker may be running: engine.scheduler preempts for
+    blocks and seats, not for budget). Beside a worker's published backlog (`unreflected_ms`), only the
+    entries that record does not hold yet count: not among its lately admitted ids, and sent less than
+    LOCAL_WINDOW_S ago (an older one has reached the worker, so its figures hold it while it computes)."""
 
     def __init__(self):
-        self.workers: dict[str, dict[str, tuple[int, float]]] = {}  # worker -> request -> (priority, cost)
+        # worker -> request -> (priority, cost, time.monotonic() sent, id digest)
+        self.workers: dict[str, dict[str, tuple[int, float, float, int]]] = {}
 
     def wait_ms(self, worker: str, priority: int) -> float:
         entries = self.workers.get(worker, {}).values()
-        ahead = sum(cost for p, cost in entries if p <= priority)
-        return ahead + max((cost for p, cost in entries if p > priority), default=0.0)
+        ahead = sum(e[1] for e in entries if e[0] <= priority)
+        return ahead + max((e[1] for e in entries if e[0] > priority), default=0.0)
+
+    def unreflected_ms(self, worker: str, priority: int, published_ids: Collection[int]) -> float:
+        """The cost of the entries of the same or a higher priority that a record with `published_ids`
+        does not hold yet."""
+        oldest = time.monotonic() - LOCAL_WINDOW_S
+        return sum(
+            cost
+            for p, cost, sent, digest in self.workers.get(worker, {}).values()
+            if p <= priority and sent >= oldest and digest not in published_ids
+        )
 
     def add(self, worker: str, request_id: str, priority: int, cost_ms: float) -> None:
-        self.workers.setdefault(worker, {})[request_id] = (priority, max(0.0, cost_ms))
+        entry = (priority, max(0.0, cost_ms), time.monotonic(), request_digest(request_id))
+        self.workers.setdefault(worker, {})[request_id] = entry
 
     def remove(self, worker: str, request_id: str) -> None:
         entries = self.workers.get(worker)
@@ -139,6 +179,24 @@ class PrefillQueues:
             del self.workers[worker]
 
 
+def backlog_ms(backlog: PublishedBacklog, cost: StepCost, priority: int) -> float:
+    """A published backlog priced with the worker's step cost, as ahead of a request of `priority`: every
+    level's work at the same or a higher priority, and what is running at a lower one."""
+
+    def ms(work: Work) -> float:
+        return cost.fixed_ms * work.steps + cost.per_token_ms * work.tokens + cost.per_kpair_ms * work.kpairs
+
+    return sum(ms(q) + ms(r) if p <= priority else ms(r) for p, (q, r) in backlog.levels.items())
+
+
+def fresh_backlog(member) -> PublishedBacklog | None:
+    """A prefill worker's published backlog, None when it has none or it stopped changing (stale)."""
+    backlog = getattr(member, "backlog", None)
+    if backlog is None or time.monotonic() - member.backlog_at > BACKLOG_STALE_S:
+        return None
+    return backlog
+
+
 def member_cost(member) -> tuple[StepCost | None, int]:
     """A worker's fitted step cost and its step token budget, from its heartbeat record."""
     beat = member.beat
@@ -147,11 +205,19 @@ def member_cost(member) -> tuple[StepCost | None, int]:
     return StepCost.from_list(beat.get("step_cost")), budget
 
 
-class SloAdmission:
-    """Router methods: predicting a request's TTFT and TPOT, and admitting it by its targets (after
-    `router.admission`'s checks); the prefill queues kept as prefills are sent and answered."""
+class SloPredictor:
+    """Predicts a request's TTFT and TPOT and admits it by its targets (`admit_by_slo`, after
+    `router.admission`'s checks); keeps this router's prefills in flight as they are sent and answered
+    (`prefill_sent`, `prefill_ended`), and learns from each first token (`first_token`). `routing` prices
+    a prompt on each prefill worker (`PrefillRouting.preview`)."""
 
-    def _init_slo(self) -> None:
+    def __init__(
+        self, cfg: RouterConfig, directory: Directory, routing: PrefillRouting, metrics: RouterMetrics
+    ):
+        self.cfg = cfg
+        self.directory = directory
+        self.routing = routing
+        self.metrics = metrics
         self.prefill_queues = PrefillQueues()
         # per priority: (time.monotonic(), actual / priced TTFT, actual / predicted TTFT) of recent served
         # requests
@@ -181,7 +247,7 @@ class SloAdmission:
             return 1.0
         return max(1.0, ratios[min(len(ratios) - 1, int(MISS_QUANTILE * len(ratios)))])
 
-    def predict(self, handle) -> Prediction:
+    def predict(self, handle: Inflight) -> Prediction:
         """The TTFT (best prefill worker) and TPOT (best decode worker) predicted for `handle` now."""
         best = None
         for member, compute in self.routing.preview(
@@ -191,7 +257,7 @@ class SloAdmission:
             if cost is None:
                 continue
             own = cost.prompt_ms(compute, budget, len(handle.ids) - compute)
-            wait = self.prefill_queues.wait_ms(member.member_id, handle.priority)
+            wait = self.prefill_wait_ms(member, cost, handle.priority)
             if best is None or wait + own < best[0] + best[1]:
                 best = (wait, own, member.member_id)
         # the mean context over its decode; max_tokens may be "as many as fit" (a chat request leaving it
@@ -201,6 +267,16 @@ class SloAdmission:
             return Prediction(None, tpot_ms=tpot)
         wait, own, worker = best
         return Prediction((wait + own) * self.ttft_scale(handle.priority), wait, own, worker, tpot)
+
+    def prefill_wait_ms(self, member: Member, cost: StepCost, priority: int) -> float:
+        """The priced work ahead of a request of `priority` on prefill worker `member`: its published
+        backlog and this router's prefills that record does not show yet; without a fresh record, this
+        router's prefills in flight there."""
+        backlog = fresh_backlog(member)
+        if backlog is None:
+            return self.prefill_queues.wait_ms(member.member_id, priority)
+        local = self.prefill_queues.unreflected_ms(member.member_id, priority, backlog.ids)
+        return backlog_ms(backlog, cost, priority) + local
 
     def _predict_tpot(self, context: int) -> float | None:
         best = None
@@ -220,11 +296,9 @@ class SloAdmission:
             best = step if best is None else min(best, step)
         return best
 
-    def admit_by_slo(self, handle, slo) -> None:
+    def admit_by_slo(self, handle: Inflight, slo: generate_pb2.Slo) -> None:
         """Resolve the request's targets, predict, and refuse (RequestRejected RESOURCE_EXHAUSTED with a
         retry-after) or deprioritize a predicted miss; a request without targets is only predicted."""
-        from kvferry.router.admission import RequestRejected  # (admission imports this module's users)
-
         handle.targets = resolve_targets(slo, self.cfg.slo_ttft_ms, self.cfg.slo_tpot_ms)
         if self.cfg.admission != "predictive" or self.cfg.colocated:
             return
@@ -258,21 +332,23 @@ class SloAdmission:
             grpc.StatusCode.RESOURCE_EXHAUSTED, why + "; retry later", retry_after_s=retry_s
         )
 
-    def prefill_sent(self, handle, member, compute_tokens: int) -> None:
-        """A prefill went to `member`: its predicted work joins that worker's queue."""
+    def prefill_sent(self, handle: Inflight, member: Member, compute_tokens: int) -> None:
+        """A prefill went to `member`: its predicted work counts there until the worker's published backlog
+        shows it, or it is answered."""
         cost, budget = member_cost(member)
         own = (
             0.0 if cost is None else cost.prompt_ms(compute_tokens, budget, len(handle.ids) - compute_tokens)
         )
         self.prefill_queues.add(member.member_id, handle.request_id, handle.priority, own)
 
-    def prefill_ended(self, handle, member) -> None:
+    def prefill_ended(self, handle: Inflight, member: Member) -> None:
+        """The prefill sent to `member` was answered (or failed): it no longer counts there."""
         self.prefill_queues.remove(member.member_id, handle.request_id)
 
-    def first_token(self, handle, ttft_ms: float) -> None:
+    def first_token(self, handle: Inflight, ttft_ms: float) -> None:
         """The request's TTFT is known: learn the scale and the error, and record prediction against
         actual."""
-        prediction = getattr(handle, "prediction", None)
+        prediction = handle.prediction
         if prediction is None or prediction.ttft_ms is None or handle.priority == DEPRIORITIZED:
             return  # (a deprioritized request waited at another priority than it was predicted at)
         predicted = prediction.ttft_ms

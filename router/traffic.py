@@ -3,8 +3,9 @@
 The router counts each request as it arrives (both APIs) and each one served as it finishes: its prompt
 tokens, the tokens its prefill computed (the prompt less its local and pool cache hits), its output
 tokens, TTFT and TPOT; and each request admission predicted to miss its TTFT or TPOT target.
-`summary()` gives the window's rates, means and percentiles; the router publishes
-it every second as its registry record (role `router`), where `kvferry up --autoscale` reads it.
+`summary()` gives the window's rates, means and percentiles of this router alone; the router publishes
+it every second as its registry record (role `router`, one per router), where `kvferry up --autoscale`
+reads every router's and sums them (`deploy.planner.Traffic.merge`).
 """
 
 from __future__ import annotations

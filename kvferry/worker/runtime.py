@@ -7,7 +7,9 @@ that serves nothing runs). Nothing here branches on the role. It forms the worke
 server on its own thread, `kvferry.rpc.AioServer`), registers the worker in the Redis registry (role
 prefill|decode) with a heartbeat so the router finds it and notices when it dies or hangs (no
 re-registration while the engine loop is stalled), and on SIGTERM/SIGINT drains: the registry says it
-is draining, it finishes what it holds, then exits.
+is draining, it finishes what it holds, then exits. A prefill worker also publishes its backlog (the
+prompt tokens it still has to compute, per priority) on a faster channel than its heartbeat, for the
+routers' SLO admission (`kvferry.worker.backlog`: a thread of its own, from start to shutdown).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvferry.kvpool.metadata import MetadataStore, add_redis_url_arg
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.proc import confine_openmp, on_passing_thread, run_torch_serially, settle_heap
 from kvferry.rpc import AioServer, Heartbeat, hard_exit, service_names
+from kvferry.worker.backlog import BacklogPublisher
 from kvferry.worker.config import WorkerConfig
 from kvferry.worker.group import Group, form_group
 from kvferry.worker.service import EngineWorker, default_max_streams, kv_layout
@@ -138,6 +141,10 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     servicer.start()
     heartbeat.beat()
     heartbeat.start()
+    backlog = None
+    if servicer.backlog is not None:
+        backlog = BacklogPublisher(meta, worker_id, servicer.backlog)
+        backlog.start()
     settle_heap()
     server.set_serving()
     log.info(
@@ -151,6 +158,8 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     watchdog.start()
     server.set_serving(False)
     heartbeat.stop()
+    if backlog is not None:
+        backlog.stop()
     server.stop(grace_s=3)
     log.info("shutdown: gRPC server stopped")
     servicer.stop()

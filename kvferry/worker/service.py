@@ -6,6 +6,10 @@ runs them between steps; results come back to the event loop (`call`, or a strea
 call holds no thread: how many a worker holds is bounded only by `max_streams` (RESOURCE_EXHAUSTED
 beyond it). KV transfers (pool lookups, pulls, writes) run on one transfer thread per worker; their
 hand-off stages (`kvferry.worker.stages`) are polled by the engine loop.
+
+A prefill worker keeps a `BacklogTracker` (`kvferry.worker.backlog`): every request it admits is noted
+(engine thread, one dict entry), and the work they still need is read off them by the backlog publisher's
+thread and by the heartbeat (the record's `prefill_backlog`), for the routers' SLO admission.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
 from kvferry.v1 import worker_pb2
+from kvferry.worker.backlog import BacklogTracker
 from kvferry.worker.group import Group
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,11 @@ class EngineWorker:
         self.max_streams = default_max_streams(engine.cfg.max_num_seqs)  # open Decode/Prefill calls
         self.open_streams = 0  # (event-loop thread only)
         self.grammars = engine.grammars  # structured outputs compile in the gRPC handlers, off the engine
+        # a prefill worker's backlog, for the routers' SLO admission (kvferry.worker.backlog)
+        self.backlog: BacklogTracker | None = None
+        if self.role == "prefill":
+            budget = engine.cfg.max_num_batched_tokens
+            self.backlog = BacklogTracker(budget, self.holds, lambda: engine.num_steps)
 
     async def compile_structured(self, request, spec: tuple[str, str] | None, context):
         """The matcher of a call's structured output `spec` (None without one), compiled off the engine
@@ -122,6 +132,8 @@ class EngineWorker:
             "max_num_seqs": self.engine.cfg.max_num_seqs,  # the seats of a batch (the planner's decode)
             "pace_ms": self.loop.step_interval_s * 1e3,  # a paced decode's step interval (engine.loop)
             "step_interval_ms": round(self.loop.step_interval_ms, 3),  # observed between busy steps
+            # a prefill worker's tokens still to compute, per priority (kvferry.worker.backlog)
+            **({} if self.backlog is None else {"prefill_backlog": self.backlog.snapshot()}),
         }
 
     def new_request(self, request, params, what: str, matcher=None) -> Request:
@@ -137,6 +149,8 @@ class EngineWorker:
         req.salt_key = request.keys.salt_key or None  # a salted request's keys are its own
         if request.keys.fingerprint == self.engine.fingerprint:  # hashed by the router: not again here
             self.engine.kv.adopt_keys(req, request.keys.block_keys)
+        if self.backlog is not None:  # a prefill: the prefix the pool holds is pulled, not computed
+            self.backlog.admitted(req, len(request.pooled) * self.engine.cfg.block_size)
         return req
 
     def fail_in_engine(self, err: Exception) -> None:

@@ -1,9 +1,10 @@
 """SLO-aware admission on a real cluster: once the workers have fitted their step costs, a request whose
 predicted TTFT or TPOT misses its target is refused before any prefill (RESOURCE_EXHAUSTED with a
 retry-after trailer on gRPC, 429 with Retry-After on HTTP), one that can make it is served exactly, and
-/metrics counts both the misses and the predictions against what happened. (conftest's shared `cluster`:
-two prefill workers, one decode worker, the router's default predictive admission; its other users' requests
-are counted too, so the counts here are differences.)"""
+/metrics counts both the misses and the predictions against what happened; every prefill worker
+publishes its backlog, which the TTFT prediction reads (kvferry.worker.backlog). (conftest's shared
+`cluster`: two prefill workers, one decode worker, the router's default predictive admission; its other
+users' requests are counted too, so the counts here are differences.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import grpc
 import pytest
 from cluster_helpers import greedy, metric, post, random_prompt, wait_for
 
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.backlog import PublishedBacklog
 from kvferry.router.client import Client
 from kvferry.v1 import generate_pb2
 
@@ -81,3 +84,26 @@ def test_a_doomed_request_is_refused_before_any_prefill(cluster, members, tiny_m
     assert ttft - ttft_before >= 2
     assert tpot - tpot_before >= 1
     assert checked - checked_before >= 3
+
+
+def test_every_prefill_worker_publishes_its_backlog(cluster, members):
+    """What the routers' TTFT prediction reads (kvferry.worker.backlog): a record per prefill worker in
+    the fast hash, written again while idle (the keepalive), and the same record in its heartbeat."""
+    meta = MetadataStore(cluster.redis_url, cluster.cfg.namespace)
+    workers = set(members.prefill)
+
+    def records() -> dict[str, PublishedBacklog] | None:
+        raw = meta.client.hgetall(f"{meta.prefix}prefill_backlog")
+        found = {k.decode(): PublishedBacklog.parse(json.loads(v)) for k, v in raw.items()}
+        return found if workers <= set(found) else None
+
+    first = wait_for(records, 30, "a backlog record of every prefill worker")
+
+    def newer() -> bool:
+        now = records()
+        return now is not None and all(now[w].seq > first[w].seq for w in workers)
+
+    wait_for(newer, 10, "newer backlog records")
+    beats = meta.members("prefill")
+    for w in workers:
+        assert PublishedBacklog.parse(beats[w]["prefill_backlog"]).boot == first[w].boot

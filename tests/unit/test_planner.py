@@ -297,3 +297,58 @@ def test_misses_from_before_a_change_do_not_ratchet_the_role_up():
     # the routers' window still holds the misses of the single group: not a reason for a third
     assert plan.tick(missing, 10.0) is None and plan.model_scale[1] <= learned
     assert plan.tick(missing, 25.0).after == (1, 3)  # a window measured on two groups that still miss
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    import subprocess
+    import time
+
+    from kvferry.deploy.redis_server import redis_server_argv, wait_for_redis
+    from kvferry.proc import free_port
+
+    port = free_port()
+    argv = redis_server_argv("127.0.0.1", port, tmp_path_factory.mktemp("redis"))
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_redis("127.0.0.1", port, time.monotonic() + 20)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_planner_sums_the_traffic_of_every_router(redis_url):
+    """Three routers, each with its share of the arrivals, publish their windows in the registry: the
+    planner plans for the sum of them (20 req/s of 1050 tokens on average: 3 prefill groups), not for any
+    one (at most 8 req/s: 1.2 groups)."""
+    from kvferry.kvpool.metadata import MetadataStore
+
+    meta = MetadataStore(redis_url, "planner-sum")
+    now = [100.0]
+    shares = {"r0": (50, 500, 1), "r1": (80, 1000, 0), "r2": (70, 1500, 2)}  # arrivals, prompt, misses
+    for name, (arrivals, prompt, misses) in shares.items():
+        window = TrafficWindow(window_s=10.0, clock=lambda: now[0] - 10.0)
+        for _ in range(arrivals):
+            window.arrived(prompt)
+            window.finished(prompt, 0, 32, ttft_ms=100.0, tpot_ms=20.0)
+        for _ in range(misses):
+            window.predicted_miss("ttft")
+        window.clock = lambda: now[0]
+        assert meta.register(planner.ROUTER_ROLE, name, window.summary(), ttl_s=30)
+    meta.register("prefill", "p0", beat(), ttl_s=30)
+    meta.register("decode", "d0", beat(), ttl_s=30)
+
+    launcher = FakeLauncher(1, 1)
+    settings = AutoscaleSettings(enabled=True, prefill=(1, 3), decode=(1, 2), cooldown_s=30)
+    plan = Planner(settings, TARGETS, launcher.counts, launcher.scale, lambda line: None)
+    read = planner.Autoscaler(meta, plan, interval_s=1.0).read()
+    assert sorted(read[planner.ROUTER_ROLE]) == ["r0", "r1", "r2"]  # every router's record, not one
+    traffic = Traffic.merge(list(read[planner.ROUTER_ROLE].values()))
+    assert traffic.arrival_rps == pytest.approx(20.0) and traffic.finished == 200
+    assert traffic.miss_ttft_rps == pytest.approx(0.3)
+    # means weighted by each router's share: (5 x 500 + 8 x 1000 + 7 x 1500) / 20
+    assert traffic.prompt_tokens == pytest.approx(1050.0) and traffic.uncached_tokens == pytest.approx(1050.0)
+    assert plan.tick(read, now=0.0).after == (2, 1)
+    # 20 req/s x (3 chunks x 5 ms + 1050 x 0.1 ms) / 0.8: the sum's need
+    assert plan.last_need.model[0] == pytest.approx(20 * 0.120 / 0.8)

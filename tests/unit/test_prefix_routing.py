@@ -1,22 +1,20 @@
-"""KV-aware prefill routing (router.prefix_routing): the per-worker records of sent block keys (prefix
-match, LRU bound, forgetting), the cost that weighs cached prefix against pulls and load, the balance
-guard, pool locality, and the metrics of each choice."""
+"""KV-aware prefill routing (router.prefix_routing): the workers' caches as their KV events tell them (a
+shared `KVIndex`, fed here as the reader thread feeds it), the short-lived marks of what this router
+sent, the cost that weighs cached prefix against pulls and load, the balance guard, pool locality, the
+tie-break every router agrees on, and the metrics of each choice."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from kvferry.engine.block_hash import block_keys
+from kvferry.kvpool.kv_events import CLEARED, REMOVED, STORED, KVEvent, KVIndex
 from kvferry.kvpool.metadata import Location
 from kvferry.router.directory import Directory, Member, PoolMember
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.prefix_routing import (
-    DEFAULT_CAPACITY_BLOCKS,
-    CacheRecord,
-    PrefillRouting,
-    RoutingConfig,
-    host_of,
-)
+from kvferry.router.prefix_routing import PrefillRouting, RoutingConfig, SentMarks, host_of
 from kvferry.v1 import worker_pb2
 
 BS = 4
@@ -55,18 +53,33 @@ def send(routing: PrefillRouting, ids: list[int], pool=(), tried=()):
     return routing.choose(keys_of(ids), list(pool), len(ids), set(tried))
 
 
-def test_record_matches_leading_keys_and_evicts_least_recent_tail_first():
-    a, b = keys_of(prompt(1, 12)), keys_of(prompt(2, 12))  # 3 blocks each
-    record = CacheRecord("h:1", capacity=4)
-    record.add(a)
-    assert record.match(a) == 3 and record.match([a[0], b"?", a[2]]) == 1  # only a leading run counts
-    record.add(b)  # 6 keys > 4: the least recent go, a's tail before its head
-    assert record.match(b) == 3 and record.match(a) == 1 and len(record.keys) == 4
-    record.add(a[:1])  # a hit refreshes: b's tail is next out
-    record.add(keys_of(prompt(3, 4)))
-    assert record.match(a) == 1 and record.match(b) == 2
-    record.discard(b[:1])
-    assert record.match(b) == 0
+def following(d: Directory) -> KVIndex:
+    """An index following the directory's prefill workers, each at seq 0 of epoch "e" (as after an empty
+    snapshot)."""
+    index = KVIndex()
+    index.retain({m.group: (m.member_id, m.addr) for m in d.members["prefill"].values()})
+    for w in index.workers.values():
+        w.epoch, w.exact = "e", True
+    return index
+
+
+def event(index: KVIndex, group: str, kind: str, keys=()) -> None:
+    """The next KV event of `group`, as the reader thread applies it."""
+    w = index.workers[group]
+    assert index.apply(KVEvent(w.worker, group, w.epoch, w.seq + 1, kind, tuple(keys)), time.monotonic())
+
+
+def test_sent_marks_expire_oldest_first():
+    a, b = keys_of(prompt(1, 8)), keys_of(prompt(2, 8))
+    marks = SentMarks("h:1", ttl_s=2.0)
+    marks.mark(a, now=0.0)
+    marks.mark(b, now=1.0)
+    marks.mark(a[:1], now=1.5)  # sent again: a[0] lives on
+    marks.expire(2.5)
+    assert list(marks.until) == [*b, a[0]]
+    marks.discard(b)
+    marks.expire(10.0)
+    assert marks.until == {}
 
 
 def test_a_shared_prefix_goes_where_it_was_sent_and_the_hit_is_predicted():
@@ -124,48 +137,72 @@ def test_pool_blocks_on_a_workers_host_make_it_cheaper():
         choice = send(routing, ids, pooled(keys_of(ids)[:7], "node-b"))
         assert choice.worker.member_id == "p1" and choice.reason == "pool_locality"
         assert (choice.local_tokens, choice.pool_tokens) == (0, 28)
-        routing.records.clear()
+        routing.sent.clear()
 
 
-def test_cold_prompts_take_turns_and_tried_draining_suspect_workers_are_skipped():
+def test_cold_prompts_spread_the_same_way_on_every_router_and_unavailable_workers_are_skipped():
     d = directory(("p0", "h"), ("p1", "h"), ("p2", "h"))
-    routing = PrefillRouting(RoutingConfig(), d)
-    assert {send(routing, prompt(i, 20)).worker.member_id for i in range(3)} == {"p0", "p1", "p2"}
+    one, two = PrefillRouting(RoutingConfig(), d), PrefillRouting(RoutingConfig(), d)
+    cold = [prompt(i, 20) for i in range(12)]
+    chosen = [send(one, ids).worker.member_id for ids in cold]
+    assert [send(two, ids).worker.member_id for ids in cold] == chosen  # no per-router turn taking
+    assert set(chosen) == {"p0", "p1", "p2"}  # distinct prefixes spread over the workers
     d.members["prefill"]["p1"].draining = True
     d.suspect(d.members["prefill"]["p2"], 60)
-    only = send(routing, prompt(1, 20))
+    only = send(one, prompt(1, 20))
     assert only.worker.member_id == "p0" and only.reason == "only_choice"
-    assert send(routing, prompt(1, 20), tried={"p0"}) is None
+    assert send(one, prompt(1, 20), tried={"p0"}) is None
 
 
-def test_forgets_workers_that_leave_or_come_back_elsewhere_and_failed_prefills():
+def test_every_router_follows_the_workers_events_not_its_own_sends():
     d = directory(("p0", "h0"), ("p1", "h1"))
-    routing = PrefillRouting(RoutingConfig(), d)
+    index = following(d)
+    first, late = PrefillRouting(RoutingConfig(), d, index), PrefillRouting(RoutingConfig(), d, index)
+    ids = prompt(1, 40)
+    placed = send(first, ids)
+    other = "p1" if placed.worker.member_id == "p0" else "p0"
+    event(index, other, STORED, keys_of(ids))  # say the other one computed it (sent by a third router)
+    first.sent_ttl_s = late.sent_ttl_s = 0.0  # the first router's own mark has expired
+    first.sent.clear()
+    follow = ids + prompt(9, 6)
+    for routing in (first, late):
+        choice = send(routing, follow)
+        assert choice.worker.member_id == other and choice.reason == "prefix" and choice.local_tokens == 40
+    event(index, other, REMOVED, keys_of(ids)[5:])  # evicted there: only the head is left
+    assert send(late, follow).local_tokens == 20
+    event(index, other, CLEARED)
+    assert send(late, follow).local_tokens == 0
+
+
+def test_a_burst_follows_the_first_prompt_until_the_events_arrive():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(), d, following(d))
+    hot = prompt(3, 40)
+    first = send(routing, hot + prompt(4, 8))
+    assert send(routing, hot + prompt(5, 8)).worker is first.worker  # the mark: no event yet
+    routing.sent[first.worker.member_id].expire(time.monotonic() + routing.sent_ttl_s)
+    assert send(routing, hot + prompt(6, 8)).local_tokens == 0  # expired, and the worker never said so
+
+
+def test_forgets_the_marks_of_failed_prefills_and_of_workers_that_leave_or_come_back_elsewhere():
+    d = directory(("p0", "h0"), ("p1", "h1"))
+    routing = PrefillRouting(RoutingConfig(), d, following(d))
     ids = prompt(1, 40)
     first = send(routing, ids)
     name = first.worker.member_id
+    other = "p0" if name == "p1" else "p1"
     routing.failed(first)
-    assert routing.records[name].match(keys_of(ids)) == 0
-    send(routing, ids, tried={"p0" if name == "p1" else "p1"})  # recorded again on the same worker
-    assert routing.records[name].match(keys_of(ids)) == 10
+    assert routing.sent[name].until == {}
+    assert send(routing, ids, tried={other}).local_tokens == 0  # marked again
+    assert send(routing, ids, tried={other}).local_tokens == 39
     del d.members["prefill"][name]
     send(routing, ids)
-    assert name not in routing.records
+    assert name not in routing.sent
+    routing.sent[name] = SentMarks("h0:1")
+    routing.sent[name].mark(keys_of(ids), time.monotonic())
     add(d, name, "h9")  # back, at another address: a new process with an empty cache
-    routing.records[name] = CacheRecord("h0:1", 10)
-    routing.records[name].add(keys_of(ids))
-    choice = send(routing, ids, tried={"p0" if name == "p1" else "p1"})
-    assert choice.local_tokens == 0 and routing.records[name].addr == "h9:5000"
-
-
-def test_records_are_bounded_by_the_reported_capacity():
-    d = directory(("p0", "h0"), total_blocks=6)
-    add(d, "p1", "h1", total_blocks=None)
-    routing = PrefillRouting(RoutingConfig(), d)
-    send(routing, prompt(1, 40), tried={"p1"})
-    send(routing, prompt(2, 40), tried={"p0"})
-    assert len(routing.records["p0"].keys) == 6
-    assert routing.records["p1"].capacity == DEFAULT_CAPACITY_BLOCKS
+    choice = send(routing, ids, tried={other})
+    assert choice.local_tokens == 0 and routing.sent[name].addr == "h9:5000"
 
 
 def test_least_load_mode_ignores_the_caches_but_still_predicts():

@@ -9,14 +9,16 @@ import asyncio
 import re
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from kvferry.engine.request import InvalidRequestError
 from kvferry.router.directory import Member
+from kvferry.router.inflight import RequestRejected
 from kvferry.router.limits import MAX_STOP_STRINGS, check_limits
-from kvferry.router.server import RequestRejected, Router, RouterConfig, public_model_name
+from kvferry.router.server import Router, RouterConfig, public_model_name
 from kvferry.v1 import generate_pb2, worker_pb2
 
 MAX_LEN = 128
@@ -91,7 +93,7 @@ def test_over_limit_requests_are_refused_before_tokenizing(router, monkeypatch):
         asyncio.run(router.admit(request("x" * (MAX_LEN * 64 + 1)), None, "grpc"))
     with pytest.raises(InvalidRequestError, match=r"sampling\.stop"):
         asyncio.run(router.admit(request("hi", stop=["s"] * 17), None, "grpc"))
-    assert calls == [] and router.inflight == {}
+    assert calls == [] and router.admission.inflight == {}
 
 
 def test_slot_is_taken_before_tokenizing_and_the_loop_keeps_running(router, monkeypatch):
@@ -127,16 +129,16 @@ def test_slot_is_taken_before_tokenizing_and_the_loop_keeps_running(router, monk
         asyncio.run(router.admit(request(ids=[1, 2], request_id="a"), 5.0, "grpc"))
     # the full router refuses first; with room, the duplicate id is ALREADY_EXISTS
     assert dup.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    router.cfg = type(router.cfg)(**{**router.cfg.__dict__, "max_inflight": 4})
+    router.admission.cfg = replace(router.cfg, max_inflight=4)
     with pytest.raises(RequestRejected) as dup:
         asyncio.run(router.admit(request(ids=[1, 2], request_id="a"), 5.0, "grpc"))
     assert dup.value.code == grpc.StatusCode.ALREADY_EXISTS
     router.withdraw(handle)
-    assert router.inflight == {}
+    assert router.admission.inflight == {}
 
 
 def test_a_failed_tokenization_frees_its_slot(router, monkeypatch):
     monkeypatch.setattr(router.tokenizer, "encode", lambda text: [])
     with pytest.raises(InvalidRequestError, match="encodes to no tokens"):
         asyncio.run(router.admit(request("x"), None, "grpc"))
-    assert router.inflight == {}
+    assert router.admission.inflight == {}

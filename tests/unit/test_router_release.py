@@ -10,7 +10,11 @@ import time
 
 import pytest
 
-from kvferry.router.server import Inflight, Router
+from kvferry.router.admission import Admission
+from kvferry.router.config import RouterConfig
+from kvferry.router.inflight import Inflight
+from kvferry.router.release import Releases
+from kvferry.router.server import Router
 from kvferry.v1 import generate_pb2
 
 FINISHED = generate_pb2.Finished(finish_reason="length")
@@ -27,21 +31,29 @@ class _Track:
         self.codes.append(code)
 
 
+class _Releases(Releases):
+    """The pool's release, held until the test lets it end."""
+
+    def __init__(self, admission: Admission, started: asyncio.Event, may_end: asyncio.Event, released: list):
+        super().__init__(directory=None, admission=admission)
+        self.started, self.may_end, self.released = started, may_end, released
+
+    async def release_pool(self, request_id: str) -> None:
+        self.started.set()
+        await self.may_end.wait()
+        self.released.append(request_id)
+
+
 def _router(release_started: asyncio.Event, release_may_end: asyncio.Event, released: list[str]) -> Router:
     router = Router.__new__(Router)  # only what run() touches: no model, Redis or workers
-    router.inflight, router.ending = {}, set()
+    router.admission = Admission(RouterConfig(), None, None, None, None, {}, None)
+    router.releases = _Releases(router.admission, release_started, release_may_end, released)
 
-    async def generate(handle):
+    async def sequence(handle):
         handle.release_pool = True  # finished on the first token: the private tail is unread
         yield generate_pb2.GenerateResponse(request_id=handle.request_id, finished=FINISHED)
 
-    async def release_pool(request_id: str) -> None:
-        release_started.set()
-        await release_may_end.wait()
-        released.append(request_id)
-
-    router._generate = generate
-    router._release_pool = release_pool
+    router._sequence = sequence
     return router
 
 
@@ -50,7 +62,8 @@ def test_a_client_gone_during_the_release_does_not_cut_it_short(cancel_twice):
     async def scenario() -> tuple[list[str], dict]:
         started, may_end, released = asyncio.Event(), asyncio.Event(), []
         router = _router(started, may_end, released)
-        handle = router.inflight["r1"] = Inflight("r1", time.monotonic() + 10, time.perf_counter())
+        handle = Inflight("r1", time.monotonic() + 10, time.perf_counter())
+        router.admission.add(handle)
         handle.track = _Track()
 
         async def client() -> None:  # how Generate consumes run(): the stream closed when it ends
@@ -66,10 +79,10 @@ def test_a_client_gone_during_the_release_does_not_cut_it_short(cancel_twice):
             task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert "r1" in router.inflight  # the id stays taken until the release ended
+        assert router.admission.holds("r1")  # the id stays taken until the release ended
         may_end.set()
-        await asyncio.wait_for(asyncio.gather(*router.ending), 5)
-        return released, router.inflight
+        await asyncio.wait_for(asyncio.gather(*router.releases.ending), 5)
+        return released, router.admission.inflight
 
     released, inflight = asyncio.run(scenario())
     assert released == ["r1"] and inflight == {}
@@ -79,17 +92,18 @@ def test_a_request_with_nothing_to_release_frees_its_id_at_once():
     async def scenario() -> dict:
         router = _router(asyncio.Event(), asyncio.Event(), [])
 
-        async def generate(handle):
+        async def sequence(handle):
             yield generate_pb2.GenerateResponse(
                 request_id=handle.request_id, finished=generate_pb2.Finished()
             )
 
-        router._generate = generate
-        handle = router.inflight["r2"] = Inflight("r2", time.monotonic() + 10, time.perf_counter())
+        router._sequence = sequence
+        handle = Inflight("r2", time.monotonic() + 10, time.perf_counter())
+        router.admission.add(handle)
         handle.track = _Track()
         async for _ in router.run(handle):
             pass
-        assert not router.ending
-        return router.inflight
+        assert not router.releases.ending
+        return router.admission.inflight
 
     assert asyncio.run(scenario()) == {}

@@ -102,12 +102,10 @@ def test_what_admission_learns_is_per_priority_bounded_and_forgotten(monkeypatch
     from types import SimpleNamespace
 
     from kvferry.router import slo
+    from kvferry.router.config import RouterConfig
 
-    class Learner(slo.SloAdmission):
-        metrics = SimpleNamespace(predicted_ttft=lambda predicted, actual: None)
-
-    learner = Learner()
-    learner._init_slo()
+    metrics = SimpleNamespace(predicted_ttft=lambda predicted, actual: None)
+    learner = slo.SloPredictor(RouterConfig(), directory=None, routing=None, metrics=metrics)
     clock = [100.0]
     monkeypatch.setattr(slo.time, "monotonic", lambda: clock[0])
 
