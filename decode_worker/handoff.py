@@ -184,7 +184,7 @@ class EarlyAborts:
         self.finished.pop(request_id, None)  # a new request holds the id now
         at = self.pending.pop(request_id, None)
         only = self.owners.pop(request_id, None)
-        return at is not None and now - at <= self.ttl_s and (only is None or only == owner)
+        return at is not None and now - at <= self.ttl_s and (not only or only == owner)
 
     def stream_finished(self, request_id: str, now: float | None = None) -> None:
         self._put(self.finished, request_id, time.monotonic() if now is None else now)

@@ -21,11 +21,13 @@ from dataclasses import replace
 
 import grpc
 
+from kvferry.auth import may_act_for
 from kvferry.convert import logprobs_to_proto, sampling_from_proto, structured_from_proto
 from kvferry.decode_worker.handoff import (
     DISCARD,
     TAKEN_OVER,
     EarlyAborts,
+    HandoffReport,
     KVPull,
     LinkOut,
     LinkSink,
@@ -161,7 +163,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         try:
             spec = structured_from_proto(request.sampling.structured)
             stream.matcher = await self.compile_structured(request, spec, _Refuse())
-        except (StreamRefused, InvalidRequestError) as err:
+        except Exception as err:  # refused (its status), or failed (INTERNAL): the router hears at once
             link.put(request.request_id, err)
             return
         self.loop.submit(lambda: self._admit(stream))
@@ -177,11 +179,17 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                     grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not held here"
                 )
             stream, first = found
-            yield first
-            if first.finish_reason:
-                return
-            async for item in self._pump(stream, out, context):
-                yield item
+            pumping = False
+            try:
+                yield first
+                if first.finish_reason:
+                    return
+                pumping = True
+                async for item in self._pump(stream, out, context):
+                    yield item
+            finally:
+                if not pumping and not first.finish_reason:  # cut before it streamed: held again, or gone
+                    self.loop.submit(lambda: self._call_ended(stream, out, _expired(context)))
 
     async def _pump(self, stream: Stream, out: LoopQueue, context):
         """Relay the engine thread's messages of `stream` (through `out`, its call's queue) to the call.
@@ -205,7 +213,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 yield item
         finally:
             if not finished:  # the call ended first: its request goes too, or waits for a resume
-                expired = (context.time_remaining() or 0.0) <= 0.05
+                expired = _expired(context)
                 self.loop.submit(lambda: self._call_ended(stream, out, expired))
 
     async def Abort(self, request, context):
@@ -241,16 +249,16 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         stream.req.output_offset = max(0, min(r.output_offset, stream.req.num_prompt_tokens - 1))
         self.streams[r.request_id] = stream
         self.counters["requests"] += 1
-        if isinstance(stream.out, LinkSink) and stream.out.link.closed:  # its router went away meanwhile
-            self._call_ended(stream, stream.out, expired=False)
-            if self.streams.get(r.request_id) is not stream:
-                return
         if r.prefill_here:  # colocated: the ordinary engine path, prefill and decode in this batch
             self.engine.submit(stream.req)  # (its first message reports prefix-cache hits, no hand-off)
-            return
-        self.engine.kv.await_kv(stream.req)  # the engine's from now on; scheduled once its KV is here
-        self.prealloc.append(stream)
-        self._start_pulls()
+        else:
+            self.engine.kv.await_kv(stream.req)  # the engine's from now on; scheduled once its KV is here
+            self.prealloc.append(stream)
+        # its router went away meanwhile: held for a resume, or aborted (the engine has it by now)
+        if isinstance(stream.out, LinkSink) and stream.out.link.closed:
+            self._call_ended(stream, stream.out, expired=False)
+        if not r.prefill_here:
+            self._start_pulls()
 
     def _poll(self) -> bool:
         """The engine loop's idle hook: finished pulls join the engine; the prealloc queue moves on;
@@ -319,7 +327,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         blocks = pull.local + pull.reserved[:served]
         bs = kv.block_size
         covered = min(stream.request.num_kv_tokens, len(blocks) * bs, req.num_prompt_tokens)
-        report = stream.report
+        # (None: its first message went out already, with the call that first streamed it: a resume)
+        report = stream.report if stream.report is not None else HandoffReport()
         report.kv_pull_ms = pull_ms
         report.pulled_tokens = min(served * bs, covered)
         report.recomputed_tokens = req.num_prompt_tokens - covered
@@ -396,6 +405,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if keep and stream.request.detach_grace_s > 0 and stream.finish_reason in ("stop", "length"):
             grace = min(stream.request.detach_grace_s, MAX_DETACH_GRACE_S)
             stream.detached_until = time.monotonic() + grace
+            stream.req = stream.matcher = None  # its tokens and its request are all a resume needs
+            stream.out = DISCARD
             self.finished_streams.pop(request_id, None)
             self.finished_streams[request_id] = stream
             while len(self.finished_streams) > MAX_FINISHED_KEPT:
@@ -441,8 +452,7 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         if stream is None:  # finished here: its router may have died before relaying all of it
             stream = self.finished_streams.get(request_id)
             if stream is None or not _owned(stream, owner):
-                return None
-            del self.finished_streams[request_id]
+                return None  # (kept until its grace: a router that dies while relaying it is covered too)
             self.counters["resumed"] += 1
             return stream, worker_pb2.DecodeResponse(
                 token_ids=stream.emitted,
@@ -468,8 +478,8 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         )
         stream.report = None  # the first message went with the request's first call
         self.counters["resumed"] += 1
-        if stream.finish_reason:  # it finished while detached: this message is its last
-            self._forget(request_id, keep=False)
+        if stream.finish_reason:  # it finished while detached: this message is its last (its tokens
+            self._forget(request_id)  # are kept for the rest of its grace: this router may die too)
         return stream, first
 
     def _expire_detached(self) -> None:
@@ -498,11 +508,11 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         stream = self.streams.get(request_id)
         if stream is None:
             kept = self.finished_streams.get(request_id)  # finished: nothing to resume any more
-            if kept is not None and (owner is None or _owned(kept, owner)):
+            if kept is not None and (owner is None or may_act_for(owner, kept.request.resume.owner)):
                 del self.finished_streams[request_id]
             self.early_aborts.add(request_id, owner=owner)
             return False
-        if owner is not None and not _owned(stream, owner):
+        if owner is not None and not may_act_for(owner, stream.request.resume.owner):
             return False
         if stream.detached_until is not None:  # no call streams it: its last message goes nowhere
             stream.detached_until, stream.out = None, DISCARD
@@ -516,6 +526,12 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             self.transfer.discard(request_id)
         self.engine.abort(request_id)  # its last message ("abort") goes out with the engine's outputs
         return True
+
+
+def _expired(context) -> bool:
+    """Whether a call ended because its deadline passed (a call without one never does)."""
+    left = context.time_remaining()
+    return left is not None and left <= 0.05
 
 
 def _owned(stream: Stream, owner: str) -> bool:

@@ -575,14 +575,17 @@ def wait_routers(redis_url: str, namespace: str, pids: set[int], deadline: float
     from kvferry.kvpool.metadata import MetadataStore
 
     meta = MetadataStore(redis_url, namespace)
-    while True:
-        check()
-        have = {info.get("pid") for info in (meta.members("router") or {}).values()}
-        if pids <= have:
-            return
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{len(pids - have)} of {len(pids)} routers did not register in time")
-        time.sleep(0.1)
+    try:
+        while True:
+            check()
+            have = {info.get("pid") for info in (meta.members("router") or {}).values()}
+            if pids <= have:
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{len(pids - have)} of {len(pids)} routers did not register in time")
+            time.sleep(0.1)
+    finally:
+        meta.client.close()
 
 
 def redis_env(url: str) -> dict[str, str]:

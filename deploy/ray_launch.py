@@ -312,11 +312,18 @@ class Controller:
         if n > len(live):
             taken = {u.name for u in self.units.values()}
             names = (f"router-{i}" for i in itertools.count(1) if f"router-{i}" not in taken)
-            started = [self._start(self._new_unit(next(names), "router")) for _ in range(n - len(live))]
-            pids = {pid for unit in started for pid in ray.get([s.pid.remote() for s in unit.sups])}
-            wait_routers(
-                self.redis_url, self.cfg.namespace, pids, time.monotonic() + self.cfg.startup_timeout_s
-            )
+            started: list[Unit] = []
+            try:
+                for _ in range(n - len(live)):
+                    started.append(self._start(self._new_unit(next(names), "router")))
+                sups = [s for unit in started for s in unit.sups]
+                pids = set(ray.get([s.pid.remote() for s in sups], timeout=RPC_TIMEOUT_S))
+                deadline = time.monotonic() + self.cfg.startup_timeout_s
+                check = lambda: self._check_started(started)  # noqa: E731
+                wait_routers(self.redis_url, self.cfg.namespace, pids, deadline, check)
+            except BaseException:
+                self._retire(started, 10)  # a scale that fails leaves nothing it started
+                raise
         elif n < len(live):
             self._retire(live[n:][::-1], self.cfg.router.drain_s + 10)
 

@@ -128,6 +128,13 @@ def owner_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     return ""
 
 
+def may_act_for(caller: str, owner: str) -> bool:
+    """Whether a caller (`owner_of` its metadata) may abort a request `owner` made: its own, or any when
+    it came without a key (a cluster without keys, where nobody has one, or the cluster secret's holder:
+    with keys, nobody else gets in)."""
+    return not caller or hmac.compare_digest(caller.encode(), owner.encode())
+
+
 def cluster_credentials() -> Credentials:
     return Credentials(cluster_secret())
 

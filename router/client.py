@@ -21,6 +21,8 @@ from kvferry.rpc import CHANNEL_OPTIONS
 from kvferry.v1 import generate_pb2, generate_pb2_grpc
 
 MAX_RESUMES = 3  # a stream is resumed at most this many times (each time its router went away)
+RESUME_WAIT_S = 30.0  # how long a resume waits for a router to be reachable (within the deadline)
+UNREACHABLE_WAIT_S = 2.0  # ... when the call never reached one (the one it reached may have just died)
 
 
 @dataclass
@@ -62,8 +64,11 @@ class ResumingStream:
     """One request's stream, resumed across routers (the module doc). Iterate it for the messages;
     `cancel()` ends it as a call's cancel does (the iteration then raises CANCELLED)."""
 
-    def __init__(self, stub, request: generate_pb2.GenerateRequest, timeout: float | None, resume: int):
-        self.stub, self.resume = stub, resume if request.sampling.n <= 1 else 0  # (n > 1: not resumable)
+    def __init__(
+        self, stub, channel, request: generate_pb2.GenerateRequest, timeout: float | None, resume: int
+    ):
+        self.stub, self.channel = stub, channel
+        self.resume = resume if request.sampling.n <= 1 else 0  # (n > 1: not resumable)
         if resume > 0 and not request.request_id:  # the id a resume names: chosen here
             named = generate_pb2.GenerateRequest()
             named.CopyFrom(request)
@@ -88,11 +93,16 @@ class ResumingStream:
 
     def _messages(self) -> Iterator[generate_pb2.GenerateResponse]:
         request = self.request
-        received, attempt, resumes = 0, request, 0
+        received, attempt, resumes, broke, bound = 0, request, 0, None, RESUME_WAIT_S
         while True:
             left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-            # a resume waits for a router to be reachable (the next connection may be a moment away)
-            self.call = call = self.stub.Generate(attempt, timeout=left, wait_for_ready=resumes > 0)
+            if resumes:  # a router to be reachable again (the next connection may be a moment away)
+                wait = bound if left is None else min(left, bound)
+                try:
+                    grpc.channel_ready_future(self.channel).result(timeout=wait)
+                except grpc.FutureTimeoutError:
+                    raise broke from None
+            self.call = call = self.stub.Generate(attempt, timeout=left)
             if self.cancelled:
                 call.cancel()
             try:
@@ -102,11 +112,16 @@ class ResumingStream:
                 return
             except grpc.RpcError as err:
                 code = err.code()
-                if self.cancelled or resumes >= self.resume or (received == 0 and _unreachable(err)):
-                    raise  # (no router reachable at all, before any answer: the caller's error to see)
-                if code == grpc.StatusCode.NOT_FOUND and resumes and received == 0:
+                if self.cancelled or resumes >= self.resume:
+                    raise
+                if code == grpc.StatusCode.NOT_FOUND and resumes:
+                    if received:  # nothing held it any more: the break is the caller's error
+                        raise broke from None
                     attempt = request  # it broke before its decode began: nothing to resume, send it again
                 elif code == grpc.StatusCode.UNAVAILABLE:
+                    broke = broke or err
+                    if received == 0 and _unreachable(err):  # no connection was made: maybe no router
+                        bound = min(bound, UNREACHABLE_WAIT_S)  # is reachable at all; do not wait long
                     attempt = generate_pb2.GenerateRequest(
                         request_id=request.request_id, resume=generate_pb2.Resume(tokens=received)
                     )
@@ -144,7 +159,7 @@ class Client:
         """The request's messages (iterate it; `cancel()` ends it, as a call's cancel does). Up to
         `resume` times, a stream that breaks (UNAVAILABLE: its router went away) is resumed through
         another connection (`resume=0`: the error is raised)."""
-        return ResumingStream(self.stub, request, timeout, resume)
+        return ResumingStream(self.stub, self.channel, request, timeout, resume)
 
     def generate(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> StreamResult:
         result = StreamResult()

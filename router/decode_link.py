@@ -32,8 +32,9 @@ def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class DecodeLink:
     """One Relay call to one decode worker and the streams on it."""
 
-    def __init__(self, member: Member):
+    def __init__(self, member: Member, links: DecodeLinks | None = None):
         self.member = member
+        self.links = links
         self.streams: dict[str, asyncio.Queue] = {}
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.broken = False
@@ -116,11 +117,13 @@ class LinkStream:
             del self.link.streams[self.request_id]
 
     def cancel(self) -> None:
-        """Stop reading it: the worker aborts the request (a no-op once it ended)."""
+        """Stop reading it: the worker aborts the request (a no-op once it ended). While the router
+        stops, nothing is said: the link's close leaves the stream to the worker (held for a resume)."""
         if self.done:
             return
         self._end()
-        if not self.link.broken:
+        stopping = getattr(self.link.links, "stopping", False)
+        if not self.link.broken and not stopping:
             self.link.outgoing.put_nowait(worker_pb2.RelayRequest(cancel=self.request_id))
 
 
@@ -133,14 +136,15 @@ class DecodeLinks:
 
     def __init__(self):
         self.links: dict[tuple[str, str], DecodeLink] = {}
+        self.stopping = False  # the router's drain is over (LinkStream.cancel)
 
     def open(self, member: Member, request: worker_pb2.DecodeRequest, timeout: float) -> LinkStream:
         key = (member.member_id, member.addr)
         link = self.links.get(key)
+        # a new link after a break, or for a new record of the worker (the registry dropped and re-added
+        # it: the old record's channel closes once its calls end); the old link's streams go on there
         if link is None or link.broken or link.member is not member:
-            if link is not None:
-                link.close()
-            link = self.links[key] = DecodeLink(member)
+            link = self.links[key] = DecodeLink(member, self)
         return link.open(request, timeout)
 
     def close(self) -> None:

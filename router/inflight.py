@@ -32,6 +32,8 @@ class Inflight:
     aborted: bool = False
     decode: Member | None = None
     calls: list[grpc.aio.Call | LinkStream] = field(default_factory=list)  # cancelled when it ends early
+    linked: bool = False  # its decode runs on a relay link (a cancel there aborts it: no Abort call)
+    detachable: bool = False  # its decode worker holds it for a resume if this router goes away
     release_pool: bool = False  # the pool may still hold the request's private tail block
     cache_salt: str = ""  # mixed into its block keys (engine.block_hash.salt_key)
     priority: int = 0  # GenerateRequest.priority: lower first, in each worker's queue

@@ -277,7 +277,11 @@ class OpenAIServing:
         fill_max_tokens: bool = False,
     ) -> Response:
         owner = owner_of(request.headers.items())
-        resumable = body.stream and len(reqs) == 1 and shape.per_prompt == 1
+        # a stream of one plain-text choice can be resumed exactly (tool calls, logprobs' text offsets
+        # and echoed prompts carry state of the whole output that a resume does not rebuild)
+        plain = shape.tools is None and shape.logprobs is None
+        plain = plain and not shape.echo and not shape.prompt_logprobs
+        resumable = body.stream and len(reqs) == 1 and shape.per_prompt == 1 and plain
         last = request.headers.get("last-event-id", "") if resumable else ""
         if last:  # the stream of a router that went away, resumed here (router.resume)
             return await self._resume(body, last, shape, owner, prompt_field)

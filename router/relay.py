@@ -114,6 +114,7 @@ class DecodeRelay:
         if self.detach_grace_s <= 0 or handle.shared is not None:
             return
         decode_req.detach_grace_s = self.detach_grace_s
+        handle.detachable = True
         decode_req.resume.MergeFrom(
             worker_pb2.ResumeInfo(
                 client_sampling=sampling_to_proto(replace(handle.params, n=1)),
@@ -220,6 +221,7 @@ class DecodeRelay:
         handle.decode = worker
         worker.inflight += 1
         first_message = call is None
+        handle.linked = call is None
         if call is None:  # on the worker's relay link: one message per step for all our streams
             try:
                 call = self.links.open(worker, decode_req, handle.remaining())

@@ -38,6 +38,7 @@ class Releases:
         self.admission = admission
         self.pool_channels: dict[str, grpc.aio.Channel] = {}
         self.ending: set[asyncio.Future] = set()
+        self.stopping = False  # the router's drain is over: what is cut now is left for a resume
 
     async def end(self, handle: Inflight, everything: bool) -> None:
         """Release what a request leaves behind (`everything`: in the workers and the pool; else the
@@ -59,11 +60,17 @@ class Releases:
             self.admission.forget(handle.request_id)
 
     async def cleanup(self, handle: Inflight) -> None:
-        """Release everything a request that ended early holds in the workers and the pool."""
+        """Release everything a request that ended early holds in the workers and the pool. While the
+        router stops (`stopping`: its drain is over), a detachable stream is left to its decode worker,
+        which holds it for a resume through another router once this one's links close."""
+        if self.stopping and handle.linked and handle.detachable:
+            return
         for call in list(handle.calls):
             call.cancel()
         rid = handle.request_id
-        if handle.decode is not None:
+        # a stream on a relay link was aborted by its cancel, there alone: an Abort call by id could end
+        # the same request resumed meanwhile through another router
+        if handle.decode is not None and not handle.linked:
             try:
                 await handle.decode.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=rid), timeout=5)
             except grpc.aio.AioRpcError as err:

@@ -49,7 +49,7 @@ async def attach(
 ) -> tuple[Member, object, worker_pb2.DecodeResponse] | None:
     """The decode worker holding `request_id` for `owner`, its Attach call and the call's first message
     (None: no worker holds it). Every decode worker is asked at once; the first that holds it wins (at
-    most one does: a request id is in one sequence at a time)."""
+    most one does: a request id is in one sequence at a time), and the other asks are called off."""
     members = [m for m in directory.members["decode"].values() if m.stub is not None]
 
     async def ask(member: Member):
@@ -62,14 +62,24 @@ async def attach(
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 log.warning("attach of %s on %s failed: %s", request_id, member.member_id, err.code().name)
             return None
+        except asyncio.CancelledError:  # another worker answered first
+            call.cancel()
+            raise
         if first is grpc.aio.EOF:
             return None
         return member, call, first
 
-    found = [x for x in await asyncio.gather(*(ask(m) for m in members)) if x is not None]
-    for _, call, _ in found[1:]:  # (never more than one, unless an id was reused meanwhile)
-        call.cancel()
-    return found[0] if found else None
+    # the first worker that holds it answers for all: a slow or hung one does not hold the others up
+    asks = [asyncio.ensure_future(ask(m)) for m in members]
+    try:
+        for done in asyncio.as_completed(asks):
+            found = await done
+            if found is not None:
+                return found
+        return None
+    finally:
+        for task in asks:
+            task.cancel()
 
 
 @dataclass
@@ -211,7 +221,9 @@ class Resumes:
                 status = FINISH.get(replay.finish_reason, RequestStatus.FINISHED_ABORTED)
             if status is not None:
                 req.status = status
-                handle.aborted |= not replay.finish_reason  # a stop string here: stop the worker too
+                if not replay.finish_reason:  # a stop string here: the request's end stops the worker too
+                    handle.aborted, handle.decode, handle.linked = True, worker, False
+                    handle.calls.append(call)
                 yield relay.final()
                 return
             out = state.emit()

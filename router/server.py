@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.auth import Credentials, cluster_secret, owner_of, server_interceptors
+from kvferry.auth import Credentials, cluster_secret, may_act_for, owner_of, server_interceptors
 from kvferry.convert import logprob_from_proto
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import InvalidRequestError, Request
@@ -298,11 +298,13 @@ class Router(generate_pb2_grpc.GenerationServicer):
             await context.abort(err.code, str(err), trailing_metadata=trailer)
 
     async def Abort(self, request, context):
+        owner = owner_of(context.invocation_metadata())
         handle = self.admission.get(request.request_id)
-        if handle is None:  # admitted by another router of the fleet, maybe
-            owner = owner_of(context.invocation_metadata())
-            if await self.releases.abort_elsewhere(request.request_id, owner):
-                return generate_pb2.AbortResponse()
+        if handle is not None and not may_act_for(owner, handle.owner):
+            handle = None  # another key's request: as if it were not here (nothing to learn from it)
+        elif handle is None and await self.releases.abort_elsewhere(request.request_id, owner):
+            return generate_pb2.AbortResponse()  # admitted by another router of the fleet
+        if handle is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
             )
@@ -392,10 +394,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
         interval_s=1.0,
         ttl_s=5.0,
     )
-    traffic.start()
     http = None
     if cfg.http_port is not None:
         http = await start_http(router, cfg.host, cfg.http_port, cfg.ssl_certfile, cfg.ssl_keyfile)
+    traffic.start()  # registered once both ports serve (kvferry scale --routers waits for it)
     if on_started is not None:
         on_started()
     await stop.wait()
@@ -405,8 +407,14 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[],
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     # the drain: neither port takes new connections (the host's other routers do), the streams in
-    # flight get cfg.drain_s to finish
-    await asyncio.gather(*([http.stop()] if http is not None else []), server.stop(grace=cfg.drain_s))
+    # flight get cfg.drain_s to finish; the ones still going then are cut, and left to their decode
+    # workers (held for a resume through another router), not aborted
+    stopping = asyncio.gather(*([http.stop()] if http is not None else []), server.stop(grace=cfg.drain_s))
+    try:
+        await asyncio.wait_for(asyncio.shield(stopping), max(0.0, cfg.drain_s - 0.25))
+    except TimeoutError:
+        router.links.stopping = router.releases.stopping = True
+        await stopping
     router.links.close()
     await router.directory.stop()
     router.routing.close()

@@ -62,6 +62,7 @@ class _Link:
         self.streams: dict = {}
         self.broken = False
         self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.links = None
 
 
 def _item(tokens, finish="", error_code=0, error=""):
