@@ -1,13 +1,17 @@
-"""Unit-test fixtures: an in-process engine on a built-in model."""
+"""Unit-test fixtures: an in-process engine on a built-in model, and a redis-server of their own."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvferry.deploy.redis_server import redis_server_argv, wait_for_redis
 from kvferry.engine.engine import EngineConfig, LLMEngine
+from kvferry.proc import free_port
 
 # the engine the unit tests run unless they say otherwise: float32 (exact against the references), a
 # small KV cache and max length (fast to allocate; the tests' prompts fit)
@@ -49,3 +53,17 @@ def make_engine(tiny_model_dir):
         return LLMEngine(cfg, detokenize=detokenize)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server of the module's own (the unit tests that publish to or read from Redis)."""
+    port = free_port()
+    argv = redis_server_argv("127.0.0.1", port, tmp_path_factory.mktemp("redis"))
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_redis("127.0.0.1", port, time.monotonic() + 20)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)

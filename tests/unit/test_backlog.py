@@ -6,36 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from kvferry.deploy.redis_server import redis_server_argv, wait_for_redis
 from kvferry.engine.cost_model import StepCost
 from kvferry.engine.request import Request, RequestStatus, SamplingParams
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.proc import free_port
 from kvferry.router import slo
 from kvferry.router.backlog import PublishedBacklog, Work
 from kvferry.router.config import RouterConfig
 from kvferry.router.directory import Directory
 from kvferry.worker import backlog as worker_backlog
 from kvferry.worker.backlog import BacklogPublisher, BacklogTracker
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = free_port()
-    argv = redis_server_argv("127.0.0.1", port, tmp_path_factory.mktemp("redis"))
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_redis("127.0.0.1", port, time.monotonic() + 20)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def request(rid: str, tokens: int, priority: int = 0, computed: int = 0, status=RequestStatus.WAITING):

@@ -4,12 +4,10 @@ a gap, a restarted worker, a worker that leaves the registry)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from kvferry.deploy.redis_server import redis_server_argv, wait_for_redis
 from kvferry.engine.block_hash import model_fingerprint
 from kvferry.engine.block_manager import CLEARED, REMOVED, STORED, BlockManager
 from kvferry.engine.request import Request, SamplingParams
@@ -26,25 +24,9 @@ from kvferry.kvpool.kv_events import (
     stream_key,
 )
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.proc import free_port
 
 BS = 4
 FP = model_fingerprint("unit-test-model", "float32")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = free_port()
-    proc = subprocess.Popen(
-        redis_server_argv("127.0.0.1", port, tmp_path_factory.mktemp("redis")),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield wait_for_redis("127.0.0.1", port, time.monotonic() + 20)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture()

@@ -299,25 +299,6 @@ def test_misses_from_before_a_change_do_not_ratchet_the_role_up():
     assert plan.tick(missing, 25.0).after == (1, 3)  # a window measured on two groups that still miss
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    import subprocess
-    import time
-
-    from kvferry.deploy.redis_server import redis_server_argv, wait_for_redis
-    from kvferry.proc import free_port
-
-    port = free_port()
-    argv = redis_server_argv("127.0.0.1", port, tmp_path_factory.mktemp("redis"))
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_redis("127.0.0.1", port, time.monotonic() + 20)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def test_the_planner_sums_the_traffic_of_every_router(redis_url):
     """Three routers, each with its share of the arrivals, publish their windows in the registry: the
     planner plans for the sum of them (20 req/s of 1050 tokens on average: 3 prefill groups), not for any
