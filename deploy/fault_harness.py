@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from kvferry.deploy.config import ClusterConfig, WorkerGroupSettings
 from kvferry.deploy.local import LocalCluster
 from kvferry.kvpool.config import PoolConfig
 from kvferry.kvpool.metadata import MetadataStore
+from kvferry.router.client import MAX_RESUMES, ResumingStream
 from kvferry.router.config import RouterConfig
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -337,7 +337,7 @@ class Load:
         with self._lock:
             self.started += 1
         request = generate_pb2.GenerateRequest(
-            request_id=job.request_id or (f"job-{uuid.uuid4().hex}" if self.resume else ""),
+            request_id=job.request_id,
             token_ids=generate_pb2.TokenIds(ids=self.prompts[job.prompt]),
             sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True),
         )
@@ -345,44 +345,34 @@ class Load:
         t0 = time.monotonic()
         got: list[int] = []
         reason = None
-        attempt, resumes = request, 0
-        while True:  # resumed (self.resume) as kvferry.router.client does when its router goes away
-            timers = []
-            left = max(0.1, job.deadline_s - (time.monotonic() - t0))
-            call = self.stub.Generate(attempt, timeout=left, wait_for_ready=resumes > 0)
-            if job.cancel_after_s is not None:
-                timers.append(threading.Timer(job.cancel_after_s, call.cancel))
-            if job.abort_after_s is not None:
-                timers.append(threading.Timer(job.abort_after_s, self._abort, (job.request_id,)))
-            for timer in timers:
-                timer.start()
-            try:
-                for msg in call:
-                    got += msg.token_ids
-                    with self._lock:
-                        self.tokens += len(msg.token_ids)
-                    if got != ref[: len(got)]:
-                        call.cancel()
-                        return Outcome("wrong", "", len(got), time.monotonic() - t0, f"{got} != {ref}")
-                    if msg.HasField("finished"):
-                        reason = msg.finished.finish_reason
-                break
-            except grpc.RpcError as err:
-                code = err.code()
-                if self.resume and resumes < 3 and code == grpc.StatusCode.UNAVAILABLE:
-                    attempt = generate_pb2.GenerateRequest(
-                        request_id=request.request_id, resume=generate_pb2.Resume(tokens=len(got))
-                    )
-                elif self.resume and resumes and code == grpc.StatusCode.NOT_FOUND and not got:
-                    attempt = request  # it broke before its decode began: sent again whole
-                else:
-                    return self._failed(job, code.name, len(got), time.monotonic() - t0, err.details() or "")
-                resumes += 1
+        # resumed (self.resume) by kvferry's own client code when its router goes away
+        stream = ResumingStream(
+            self.stub, self.channel, request, job.deadline_s, MAX_RESUMES if self.resume else 0
+        )
+        timers = []
+        if job.cancel_after_s is not None:
+            timers.append(threading.Timer(job.cancel_after_s, stream.cancel))
+        if job.abort_after_s is not None:
+            timers.append(threading.Timer(job.abort_after_s, self._abort, (job.request_id,)))
+        for timer in timers:
+            timer.start()
+        try:
+            for msg in stream:
+                got += msg.token_ids
                 with self._lock:
-                    self.resumed += 1
-            finally:
-                for timer in timers:
-                    timer.cancel()
+                    self.tokens += len(msg.token_ids)
+                if got != ref[: len(got)]:
+                    stream.cancel()
+                    return Outcome("wrong", "", len(got), time.monotonic() - t0, f"{got} != {ref}")
+                if msg.HasField("finished"):
+                    reason = msg.finished.finish_reason
+        except grpc.RpcError as err:
+            return self._failed(job, err.code().name, len(got), time.monotonic() - t0, err.details() or "")
+        finally:
+            for timer in timers:
+                timer.cancel()
+            with self._lock:
+                self.resumed += stream.resumes
         elapsed = time.monotonic() - t0
         if reason == "abort":
             return self._failed(job, "abort", len(got), elapsed, "")

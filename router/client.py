@@ -78,6 +78,7 @@ class ResumingStream:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.call = None
         self.cancelled = False
+        self.resumes = 0  # times it was resumed (or, broken before its decode began, sent again)
         self.messages = self._messages()
 
     def __iter__(self) -> ResumingStream:
@@ -93,10 +94,10 @@ class ResumingStream:
 
     def _messages(self) -> Iterator[generate_pb2.GenerateResponse]:
         request = self.request
-        received, attempt, resumes, broke, bound = 0, request, 0, None, RESUME_WAIT_S
+        received, attempt, broke, bound = 0, request, None, RESUME_WAIT_S
         while True:
             left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-            if resumes:  # a router to be reachable again (the next connection may be a moment away)
+            if self.resumes:  # a router to be reachable again (the next connection may be a moment away)
                 wait = bound if left is None else min(left, bound)
                 try:
                     grpc.channel_ready_future(self.channel).result(timeout=wait)
@@ -112,9 +113,9 @@ class ResumingStream:
                 return
             except grpc.RpcError as err:
                 code = err.code()
-                if self.cancelled or resumes >= self.resume:
+                if self.cancelled or self.resumes >= self.resume:
                     raise
-                if code == grpc.StatusCode.NOT_FOUND and resumes:
+                if code == grpc.StatusCode.NOT_FOUND and self.resumes:
                     if received:  # nothing held it any more: the break is the caller's error
                         raise broke from None
                     attempt = request  # it broke before its decode began: nothing to resume, send it again
@@ -127,8 +128,8 @@ class ResumingStream:
                     )
                 else:
                     raise
-                resumes += 1
-                time.sleep(min(0.05 * resumes, 0.5))  # the listener's socket may be a moment away
+                self.resumes += 1
+                time.sleep(min(0.05 * self.resumes, 0.5))  # the listener's socket may be a moment away
             finally:
                 call.cancel()  # (a no-op once it ended) the caller stopped reading: end the call
 
