@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -145,6 +146,17 @@ def add_redis_url_arg(p: argparse.ArgumentParser) -> None:
         help=f"the metadata Redis, redis://[:password@]host:port/db (default: ${REDIS_URL_ENV}, which "
         "keeps the password off the command line)",
     )
+
+
+# the prefill workers' published backlogs (kvferry.worker.backlog writes them, router.directory reads):
+# a hash under the store's prefix, one field per worker; each record names the requests it took on by
+# `request_digest`, which the routers compute the same way
+PREFILL_BACKLOG_KEY = "prefill_backlog"
+
+
+def request_digest(request_id: str) -> int:
+    """A request id as a prefill worker's backlog record names it (CRC-32 of its UTF-8)."""
+    return zlib.crc32(request_id.encode())
 
 
 def mask_url(url: str) -> str:

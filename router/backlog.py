@@ -2,24 +2,18 @@
 whose docstring gives the record; the router cannot import the worker's room, so the format is checked
 here, field by field: a record is never trusted blindly).
 
-`router.directory` reads the records (the hash `kvf:{namespace}:prefill_backlog` every BACKLOG_POLL_S,
-and the heartbeat's `prefill_backlog` field) into `Member.backlog`; `router.slo` prices them.
+`router.directory` reads the records (the hash `kvf:{namespace}:prefill_backlog`, kvpool.metadata's
+PREFILL_BACKLOG_KEY, at admission when its copy is older than BACKLOG_POLL_S, and the heartbeat's
+`prefill_backlog` field) into `Member.backlog`; `router.slo` prices them.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
-BACKLOG_KEY = "prefill_backlog"  # the prefill workers' backlog hash (kvferry.worker.backlog)
-BACKLOG_POLL_S = 0.05  # how often that hash is read
+BACKLOG_POLL_S = 0.05  # the oldest copy of that hash admission prices with
 BACKLOG_STALE_S = 3.0  # a backlog record that has not changed for this long is stale (workers: every 1 s)
-
-
-def request_digest(request_id: str) -> int:
-    """A request id as a worker publishes it in its backlog's `ids` (kvferry.worker.backlog)."""
-    return zlib.crc32(request_id.encode())
 
 
 @dataclass(frozen=True)

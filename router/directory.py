@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from kvferry.kvpool.metadata import MetadataStore
-from kvferry.router.backlog import BACKLOG_KEY, BACKLOG_POLL_S, PublishedBacklog
+from kvferry.kvpool.metadata import PREFILL_BACKLOG_KEY, MetadataStore
+from kvferry.router.backlog import BACKLOG_POLL_S, PublishedBacklog
 from kvferry.rpc import aio_channel
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
 
@@ -192,7 +192,7 @@ class Directory:
     async def read_backlogs(self) -> None:
         """Read the prefill workers' backlog hash (off the loop) into their members; a Redis outage
         leaves what is known (it goes stale)."""
-        key = f"{self.meta.prefix}{BACKLOG_KEY}"
+        key = f"{self.meta.prefix}{PREFILL_BACKLOG_KEY}"
         try:
             records = await asyncio.to_thread(self.meta.client.hgetall, key)
         except redis.RedisError:

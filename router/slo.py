@@ -52,7 +52,8 @@ import grpc
 from kvferry.engine.cost_model import StepCost
 from kvferry.engine.loop import PACE_MIN_RUNNING
 from kvferry.engine.request import InvalidRequestError
-from kvferry.router.backlog import BACKLOG_STALE_S, PublishedBacklog, Work, request_digest
+from kvferry.kvpool.metadata import request_digest
+from kvferry.router.backlog import BACKLOG_STALE_S, PublishedBacklog, Work
 from kvferry.router.inflight import Inflight, RequestRejected
 from kvferry.v1 import generate_pb2
 

@@ -33,7 +33,6 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ from dataclasses import dataclass
 import redis
 
 from kvferry.engine.request import Request, RequestStatus
+from kvferry.kvpool.metadata import PREFILL_BACKLOG_KEY, request_digest
 
 log = logging.getLogger(__name__)
 
-BACKLOG_KEY = "prefill_backlog"  # under the store's prefix: kvf:{namespace}:prefill_backlog
 PUBLISH_INTERVAL_S = 0.05  # at most one write this often
 KEEPALIVE_S = 1.0  # a write this often even when nothing changed
 KEY_TTL_S = 30.0  # the hash goes when no worker has written it for this long
@@ -52,11 +51,6 @@ RECENT_S = 3.0  # admitted request ids published this long (a router waits at mo
 MAX_RECENT = 4096
 HOLD_GRACE_S = 1.0  # a request admitted but not (yet) held by the worker's call still counts this long
 MAX_TRACKED = 8192  # past this many entries an admission drops the finished ones (no snapshot taken them)
-
-
-def request_digest(request_id: str) -> int:
-    """A request id as published in `ids` (router.directory computes the same)."""
-    return zlib.crc32(request_id.encode())
 
 
 @dataclass
@@ -155,7 +149,7 @@ class BacklogPublisher(threading.Thread):
     ):
         super().__init__(name="prefill-backlog", daemon=True)
         self.store, self.worker_id, self.tracker = store, worker_id, tracker
-        self.key = f"{store.prefix}{BACKLOG_KEY}"
+        self.key = f"{store.prefix}{PREFILL_BACKLOG_KEY}"
         self.interval_s, self.keepalive_s = interval_s, keepalive_s
         self.stopped = threading.Event()
         self.writes = 0
