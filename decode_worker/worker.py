@@ -449,37 +449,28 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         and `owner` made it; (stream, its first message: the request and every token so far) or None.
         A stream still on a call (its router's death not noticed yet) is taken from that call."""
         stream = self.streams.get(request_id)
-        if stream is None:  # finished here: its router may have died before relaying all of it
+        live = stream is not None
+        if not live:  # finished here (kept until its grace): its router may have died before relaying it all
             stream = self.finished_streams.get(request_id)
-            if stream is None or not _owned(stream, owner):
-                return None  # (kept until its grace: a router that dies while relaying it is covered too)
-            self.counters["resumed"] += 1
-            return stream, worker_pb2.DecodeResponse(
-                token_ids=stream.emitted,
-                finish_reason=stream.finish_reason,
-                logprobs=logprobs_to_proto(stream.emitted_logprobs),
-                attached=stream.request,
-            )
-        if stream.request.detach_grace_s <= 0 or stream.req is None:
+        if stream is None or stream.request.detach_grace_s <= 0 or not _owned(stream, owner):
             return None
-        if not _owned(stream, owner):
-            return None
-        if stream.detached_until is None:
-            stream.out.put(TAKEN_OVER)
-        stream.out, stream.detached_until = out, None
-        stream.emitted += stream.held
-        stream.emitted_logprobs += stream.held_logprobs
-        stream.held, stream.held_logprobs = [], []
+        if live:
+            if stream.detached_until is None:
+                stream.out.put(TAKEN_OVER)
+            stream.out, stream.detached_until = out, None
+            stream.emitted += stream.held
+            stream.emitted_logprobs += stream.held_logprobs
+            stream.held, stream.held_logprobs = [], []
+            stream.report = None  # the first message went with the request's first call
         first = worker_pb2.DecodeResponse(
             token_ids=stream.emitted,
             finish_reason=stream.finish_reason,
             logprobs=logprobs_to_proto(stream.emitted_logprobs),
             attached=stream.request,
         )
-        stream.report = None  # the first message went with the request's first call
         self.counters["resumed"] += 1
-        if stream.finish_reason:  # it finished while detached: this message is its last (its tokens
-            self._forget(request_id)  # are kept for the rest of its grace: this router may die too)
+        if live and stream.finish_reason:  # it finished while detached: this message is its last (its
+            self._forget(request_id)  # tokens are kept for the rest of its grace: this router may die too)
         return stream, first
 
     def _expire_detached(self) -> None:
