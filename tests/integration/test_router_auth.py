@@ -23,6 +23,7 @@ from cluster_helpers import wait_for
 
 from kvferry.proc import free_port, terminate
 from kvferry.router.client import Client, build_request
+from kvferry.v1 import generate_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_cluster()]
 
@@ -153,6 +154,41 @@ def test_grpc_with_a_key_over_tls_is_served(secured, api_key, tiny_model_dir):
         info = c.model_info()
     assert info.model == tiny_model_dir.name  # the served name, not the checkpoint's path
     assert str(tiny_model_dir) not in str(info)
+
+
+def test_another_key_can_neither_abort_nor_resume_a_request(secured):
+    """A hostile client with a key of its own: its Abort of another key's request is NOT_FOUND and stops
+    nothing, and its resume of it gets no token; the owner's stream runs to its end untouched."""
+    router, root = secured
+    with (
+        Client(router.addr, api_key=KEY, root_certificates=root) as mine,
+        Client(router.addr, api_key=ENV_KEY, root_certificates=root) as other,
+    ):
+        request = build_request(
+            prompt_token_ids=[5, 6, 7, 8],
+            max_tokens=1000,
+            temperature=0.0,
+            ignore_eos=True,
+            request_id="keyed",
+        )
+        stream = mine.stream(request, timeout=120)
+        tokens = list(next(stream).token_ids)
+        with pytest.raises(grpc.RpcError) as err:
+            other.abort("keyed")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        ask = generate_pb2.GenerateRequest(request_id="keyed", resume=generate_pb2.Resume(tokens=0))
+        with pytest.raises(grpc.RpcError) as err:
+            list(other.stub.Generate(ask, timeout=30))
+        # (ALREADY_EXISTS while the owner's stream is in flight on this router: the id itself can still
+        # be probed, which the tenant-safety issue takes up)
+        assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS)
+        finished = None
+        for msg in stream:
+            tokens += msg.token_ids
+            if msg.HasField("finished"):
+                finished = msg.finished
+    assert finished is not None and finished.finish_reason == "length"
+    assert len(tokens) == 1000
 
 
 def test_grpc_without_tls_is_refused(secured):
