@@ -41,7 +41,7 @@ from kvferry.engine.request import InvalidRequestError
 from kvferry.kvpool.client import PoolClient, from_proto
 from kvferry.model.parallel import Comm, Parallel
 from kvferry.rpc import hard_exit
-from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from kvferry.worker.group import Group
 from kvferry.worker.runtime import WorkerRole, run_worker
 from kvferry.worker.service import EngineWorker
@@ -220,6 +220,25 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
         owner = request.owner if request.check_owner else None
         found = await self.call(context, lambda: self._abort(request.request_id, owner))
         return worker_pb2.WorkerAbortResponse(found=found)
+
+    def request_status(self, request_id: str, owner: str) -> generate_pb2.RequestStatus | None:
+        stream = self.streams.get(request_id) or self.finished_streams.get(request_id)
+        if stream is None or not may_act_for(owner, stream.request.resume.owner):
+            return None
+        r = stream.request  # a resumed stream's earlier tokens end its prompt (output_offset)
+        status = generate_pb2.RequestStatus(prompt_tokens=len(r.prompt_token_ids) - r.output_offset)
+        if stream.req is None:  # finished, kept for a resume: its tokens alone (the first is the prefill's)
+            status.output_tokens = r.output_offset + (not r.prefill_here) + len(stream.emitted)
+            status.finish_reason = stream.finish_reason
+        else:
+            status.output_tokens = stream.req.output_offset + len(stream.req.output_token_ids)
+        waiting = stream in self.prealloc or request_id in self.transfer
+        status.state = "finished" if stream.finish_reason else "waiting_for_kv" if waiting else "decoding"
+        if stream.detached_until is not None:
+            status.detached_left_s = max(0.0, stream.detached_until - time.monotonic())
+            if not stream.finish_reason:
+                status.state = "detached"
+        return status
 
     def _stats(self) -> worker_pb2.WorkerStats:
         c = self.counters

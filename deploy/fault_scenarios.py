@@ -349,6 +349,12 @@ def _probes(fc: FaultCluster) -> list[tuple]:
         (fc.router_addr, "/kvferry.v1.Generation/GetModelInfo", generate_pb2.GetModelInfoRequest(), False),
         (fc.router_addr, "/kvferry.v1.Generation/Generate", generate_pb2.GenerateRequest(text="hi"), True),
         (fc.router_addr, "/kvferry.v1.Generation/Abort", generate_pb2.AbortRequest(request_id="x"), False),
+        (
+            fc.router_addr,
+            "/kvferry.v1.Generation/GetRequestStatus",
+            generate_pb2.RequestStatusRequest(request_id="x"),
+            False,
+        ),
     ]
     members = fc.members()
     for addr in members["prefill"].values():
@@ -362,6 +368,12 @@ def _probes(fc: FaultCluster) -> list[tuple]:
             (addr, "/kvferry.v1.DecodeWorker/GetStats", worker_pb2.WorkerStatsRequest(), False),
             (addr, "/kvferry.v1.DecodeWorker/Abort", worker_pb2.WorkerAbortRequest(request_id="x"), False),
             (addr, "/kvferry.v1.DecodeWorker/Decode", worker_pb2.DecodeRequest(request_id="x"), True),
+            (
+                addr,
+                "/kvferry.v1.DecodeWorker/GetRequestStatus",
+                worker_pb2.WorkerRequestStatusRequest(request_id="x"),
+                False,
+            ),
         ]
     for addr in members["pool"].values():
         calls += [

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import grpc
 
+from kvferry.auth import may_act_for
 from kvferry.convert import logprob_to_proto, logprobs_to_proto, sampling_from_proto, structured_from_proto
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop
@@ -36,7 +37,7 @@ from kvferry.model.parallel import Comm, Parallel
 from kvferry.prefill_worker.handoff import KVWrite, PrefillJob, PrefixLookup, PrefixPull
 from kvferry.prefill_worker.streaming import LayerStreamer, missing_on_failure
 from kvferry.prefill_worker.tp import TPLeader, follow
-from kvferry.v1 import worker_pb2, worker_pb2_grpc
+from kvferry.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from kvferry.worker.group import Group
 from kvferry.worker.runtime import WorkerRole, run_worker
 from kvferry.worker.service import EngineWorker
@@ -127,6 +128,17 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
             except Exception as err:
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {err}")
+
+    def request_status(self, request_id: str, owner: str) -> generate_pb2.RequestStatus | None:
+        job = self.jobs.get(request_id)
+        if job is None or not may_act_for(owner, job.request.owner):
+            return None
+        req = job.req
+        started = req is not None and req.num_computed_tokens > 0
+        return generate_pb2.RequestStatus(
+            state="prefilling" if started else "queued",
+            prompt_tokens=len(job.request.prompt_token_ids),
+        )
 
     def _stats(self) -> worker_pb2.WorkerStats:
         c = self.counters

@@ -176,6 +176,12 @@ class Client:
     def abort(self, request_id: str, timeout: float = 10) -> None:
         self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id), timeout=timeout)
 
+    def status(self, request_id: str, timeout: float = 10) -> generate_pb2.RequestStatus:
+        """Where a request of this client's key stands, through any router (NOT_FOUND: none holds it)."""
+        return self.stub.GetRequestStatus(
+            generate_pb2.RequestStatusRequest(request_id=request_id), timeout=timeout
+        )
+
     def model_info(self, timeout: float = 10) -> generate_pb2.ModelInfo:
         return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=timeout)
 

@@ -61,6 +61,7 @@ class PrefillDispatch:
             looked_up=True,
             pooled=[to_proto(loc) for loc in pooled],
             priority=handle.priority,
+            owner=handle.owner,
         )
         tried: set[str] = set()
         failed: WorkerFailed | None = None

@@ -63,6 +63,7 @@ from kvferry.router.release import Releases
 from kvferry.router.resume import Resumes
 from kvferry.router.sequences import Sequences
 from kvferry.router.slo import SloPredictor, check_default_target
+from kvferry.router.status import StatusLookup
 from kvferry.rpc import MAX_MESSAGE_BYTES, SERVER_KEEPALIVE, Heartbeat, hard_exit, service_names
 from kvferry.settings import load_settings
 from kvferry.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
@@ -120,6 +121,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         self.sequences = Sequences(self.admission, self.dispatch, self.metrics)
         self.resumes = Resumes(self.admission, self.directory, self.metrics, self.tokenizer, self.relay)
         self.releases = Releases(self.directory, self.admission)
+        self.statuses = StatusLookup(self.directory, self.admission)
         self.draining = False  # stopping: health says so, the streams in flight finish
 
     # -- the request path, whichever API it came by ---------------------------------------------------
@@ -311,6 +313,15 @@ class Router(generate_pb2_grpc.GenerationServicer):
         for one in (handle, *handle.siblings):  # every sequence of the request
             await self.releases.abort(one)
         return generate_pb2.AbortResponse()
+
+    async def GetRequestStatus(self, request, context):
+        owner = owner_of(context.invocation_metadata())
+        status = await self.statuses.status(request.request_id, owner)
+        if status is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
+            )
+        return status
 
     async def GetModelInfo(self, request, context):
         model = self.directory.model

@@ -32,7 +32,7 @@ from kvferry.engine.structured import replay
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
-from kvferry.v1 import worker_pb2
+from kvferry.v1 import generate_pb2, worker_pb2
 from kvferry.worker.backlog import BacklogTracker
 from kvferry.worker.group import Group
 
@@ -224,6 +224,19 @@ class EngineWorker:
 
     async def GetStats(self, request, context):
         return await self.call(context, self._stats)
+
+    async def GetRequestStatus(self, request, context):
+        rid, owner = request.request_id, request.owner
+        status = await self.call(context, lambda: self.request_status(rid, owner))
+        if status is None:
+            return worker_pb2.WorkerRequestStatus(found=False)
+        status.request_id, status.worker = rid, self.worker_id
+        return worker_pb2.WorkerRequestStatus(found=True, status=status)
+
+    def request_status(self, request_id: str, owner: str) -> generate_pb2.RequestStatus | None:
+        """Engine thread: where `owner`'s request `request_id` stands here (state and token counts);
+        None when it is not here, or is another owner's (kvferry.auth.may_act_for)."""
+        raise NotImplementedError
 
     def _stats(self, **extra) -> worker_pb2.WorkerStats:
         """The counters and engine figures every worker reports (runs on the engine thread)."""

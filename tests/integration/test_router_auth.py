@@ -176,6 +176,10 @@ def test_another_key_can_neither_abort_nor_resume_a_request(secured):
         with pytest.raises(grpc.RpcError) as err:
             other.abort("keyed")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as err:
+            other.status("keyed")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert mine.status("keyed").state in ("decoding", "waiting_for_kv")
         ask = generate_pb2.GenerateRequest(request_id="keyed", resume=generate_pb2.Resume(tokens=0))
         with pytest.raises(grpc.RpcError) as err:
             list(other.stub.Generate(ask, timeout=30))

@@ -242,6 +242,30 @@ def test_abort_through_a_router_that_did_not_admit_it(cluster, members, lone_rou
     assert_released(members, ["abort-me"])
 
 
+def test_any_router_reports_on_any_request(cluster, lone_router):
+    """GetRequestStatus through a router that admitted nothing: the workers say where each stands."""
+    with Client(cluster.router_addr) as client:
+        stream = client.stream(greedy(random_prompt(601, 20), 1000, request_id="where-am-i"), timeout=120)
+        got = len(next(stream).token_ids)
+        got += len(next(stream).token_ids)
+        status = lone_router.status("where-am-i")
+        assert (status.request_id, status.admitted_here, status.prompt_tokens) == ("where-am-i", False, 20)
+        # (the tiny model may have decoded all of it by now: the client reads behind the worker)
+        assert status.state in ("decoding", "finished") and got <= status.output_tokens <= 1000
+        assert status.state == "decoding" or status.output_tokens == 1000
+        assert status.worker.startswith("decode")
+        client.abort("where-am-i")
+        assert any(msg.HasField("finished") for msg in stream)
+        done = client.generate(greedy(random_prompt(602, 20), 12, request_id="done-here"))
+    assert done.finished.output_tokens == 12
+    status = lone_router.status("done-here")  # finished: kept by its decode worker for a resume a while
+    assert (status.state, status.finish_reason, status.output_tokens) == ("finished", "length", 12)
+    for rid in ("never-made", "where-am-i"):  # (an aborted stream is not kept)
+        with pytest.raises(grpc.RpcError) as err:
+            lone_router.status(rid)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def _detached_stream(members, request_id: str, owner: str):
     """A stream a decode worker holds detached: its Decode call (detachable, of `owner`) broke."""
     stub = next(iter(members.decode.values()))
