@@ -216,7 +216,7 @@ class Directory:
         """Each role's (and the pool's) registry records, read in one hop off the loop; None for one
         Redis could not read (then the grace of each of its members restarts at the next good read)."""
         roles = (*ROLES, "pool", "planner")
-        read = await asyncio.to_thread(lambda: {role: self.meta.members(role) for role in roles})
+        read = await asyncio.to_thread(self.meta.members_of, roles)
         for role, records in read.items():
             if records is None:
                 self._readable_since[role] = None
