@@ -42,8 +42,11 @@ CHANNEL_OPTIONS = [
     # gRPC's default backoff reaches 10 s and more after a few failures, longer than a stream's resume
     # grace (RouterConfig.detach_grace_s)
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # gRPC reads this one as the time a single connection attempt may take (connect, TLS handshake,
+    # HTTP/2 settings), not as a backoff: at 250 ms a mutual-TLS handshake on busy cores was cut short
+    # ("tcp handshaker shutdown") and the first call to a pool node failed
+    ("grpc.min_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
     ("grpc.keepalive_permit_without_calls", 1),
