@@ -56,6 +56,7 @@ from kvferry.router.dispatch import PrefillDispatch, cached_of
 from kvferry.router.failover import Failover
 from kvferry.router.http_server import start_http
 from kvferry.router.inflight import Inflight, RequestRejected, error_code
+from kvferry.router.limits import MAX_REQUEST_ID_CHARS
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix_routing import PrefillRouting, RoutingConfig
 from kvferry.router.relay import DecodeRelay, Relay, response
@@ -300,6 +301,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             await context.abort(err.code, str(err), trailing_metadata=trailer)
 
     async def Abort(self, request, context):
+        await _none_longer(context, request.request_id)
         owner = owner_of(context.invocation_metadata())
         handle = self.admission.get(request.request_id)
         if handle is not None and not may_act_for(owner, handle.owner):
@@ -307,20 +309,17 @@ class Router(generate_pb2_grpc.GenerationServicer):
         elif handle is None and await self.releases.abort_elsewhere(request.request_id, owner):
             return generate_pb2.AbortResponse()  # admitted by another router of the fleet
         if handle is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
-            )
+            await _not_in_flight(context, request.request_id)
         for one in (handle, *handle.siblings):  # every sequence of the request
             await self.releases.abort(one)
         return generate_pb2.AbortResponse()
 
     async def GetRequestStatus(self, request, context):
+        await _none_longer(context, request.request_id)
         owner = owner_of(context.invocation_metadata())
         status = await self.statuses.status(request.request_id, owner)
         if status is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight"
-            )
+            await _not_in_flight(context, request.request_id)
         return status
 
     async def GetModelInfo(self, request, context):
@@ -339,6 +338,20 @@ class Router(generate_pb2_grpc.GenerationServicer):
             num_decode_workers=self.directory.count("decode"),
             num_pool_nodes=len(self.directory.pool_nodes),
             kernels=self.directory.kernels(),
+        )
+
+
+async def _not_in_flight(context, request_id: str) -> None:
+    await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request_id!r} is not in flight")
+
+
+async def _none_longer(context, request_id: str) -> None:
+    """An id over the limit Generate takes is in flight nowhere: NOT_FOUND at once, before Abort or
+    GetRequestStatus passes it on to every worker (a decode worker remembers an early abort's id)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND,
+            f"request_id: no request in flight has one over {MAX_REQUEST_ID_CHARS} characters",
         )
 
 

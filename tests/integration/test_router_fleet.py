@@ -266,6 +266,17 @@ def test_any_router_reports_on_any_request(cluster, lone_router):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_id_no_request_can_have_is_not_passed_on_to_the_workers(lone_router):
+    """An id longer than Generate takes is NOT_FOUND at the router: neither Abort nor GetRequestStatus
+    hands it to every worker (a decode worker would remember an early abort's id, 4 MiB ones too)."""
+    huge = "x" * 1_000_000
+    for call in (lone_router.abort, lone_router.status):
+        with pytest.raises(grpc.RpcError) as err:
+            call(huge)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == "request_id: no request in flight has one over 256 characters"
+
+
 def _detached_stream(members, request_id: str, owner: str):
     """A stream a decode worker holds detached: its Decode call (detachable, of `owner`) broke."""
     stub = next(iter(members.decode.values()))
