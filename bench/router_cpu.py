@@ -14,7 +14,10 @@ The floor (unless `--no-floor`): the same gRPC load through a bare relay that do
 message per token from an upstream stream on (`bench/grpc_floor.py`, paced at the step the router's run
 saw): `floor_grpc_cpu_ms_per_request` is what gRPC alone costs the router's process on this machine,
 `after_grpc_over_floor_ms` what kvferry's router adds to it; `floor_serve_only_cpu_ms_per_request` is
-the client's side of the stream alone (a server that makes up its tokens: no upstream call).
+the client's side of the stream alone (a server that makes up its tokens: no upstream call);
+`floor_split_cpu_ms_per_request` the least a router of kvferry's design does (a `Prefill` call, then the
+stream's tokens from one shared `Relay` link, a batch per step) and, with `--baseline`,
+`grpc_split_floor_vs_before` that least over the baseline's CPU: no router on this transport gets under it.
 
     python bench/router_cpu.py [--baseline REV] [--requests 120] [--rounds 3] [--concurrency 4]
                                [--stream-interval N] [--no-floor]
@@ -133,9 +136,10 @@ def serve_load(args, cmds: list[list[str]], port: int, work: Path, desc: str) ->
             proc.wait()
 
 
-def measure_floor(args, step_s: float, work: Path) -> tuple[float, float]:
+def measure_floor(args, step_s: float, work: Path) -> tuple[float, float, float]:
     """CPU seconds per request of gRPC alone (bench/grpc_floor.py), one message per token on a `step_s`
-    step clock: (a bare relay of an upstream stream, a server that only streams to the client)."""
+    step clock: (a bare relay of an upstream stream, a server that only streams to the client, the
+    least a router of kvferry's design does: a Prefill call, then one Relay link's batches)."""
     script = [sys.executable, str(Path(__file__).resolve().parent / "grpc_floor.py")]
     tokens, step = str(args.output_len), str(step_s)
     up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
@@ -150,7 +154,15 @@ def measure_floor(args, step_s: float, work: Path) -> tuple[float, float]:
     alone = serve_load(
         args, [[*script, "source", str(port), tokens, step, "auto"]], port, work, "floor: serve"
     )
-    return relay, alone
+    up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    split = serve_load(
+        args,
+        [[*script, "workers", str(up), tokens, step], [*script, "split", str(port), str(up), "auto"]],
+        port,
+        work,
+        "floor: split",
+    )
+    return relay, alone, split
 
 
 def main() -> None:
@@ -182,7 +194,7 @@ def main() -> None:
     cluster = LocalCluster(cfg, log_dir=work / "logs", quiet=True)
     totals: dict[tuple[str, str], list[float]] = {}
     walls: dict[tuple[str, str], list[float]] = {}
-    floor = serve_floor = step_s = None
+    floor = serve_floor = split_floor = step_s = None
     try:
         python = baseline_python(args.baseline, work) if args.baseline else ""
         cluster.start()
@@ -218,7 +230,7 @@ def main() -> None:
             # the router's own step: requests at `concurrency` in flight, each `output_len` tokens long
             served = sum(walls[("after", "grpc")]) / (args.requests * args.rounds)
             step_s = served * args.concurrency / args.output_len
-            floor, serve_floor = measure_floor(args, step_s, work)
+            floor, serve_floor, split_floor = measure_floor(args, step_s, work)
     finally:
         cluster.stop()
         remove_worktree(work)
@@ -240,11 +252,15 @@ def main() -> None:
         result["floor_step_ms"] = round(step_s * 1e3, 2)
         result["floor_grpc_cpu_ms_per_request"] = round(floor * 1e3, 2)
         result["floor_serve_only_cpu_ms_per_request"] = round(serve_floor * 1e3, 2)
+        result["floor_split_cpu_ms_per_request"] = round(split_floor * 1e3, 2)
         result["after_grpc_over_floor_ms"] = round(result["after_grpc_cpu_ms_per_request"] - floor * 1e3, 2)
     if python:
         for api in apis:
             a, b = (result[f"{n}_{api}_cpu_ms_per_request"] for n in ("after", "before"))
             result[f"{api}_after_vs_before"] = round(a / b, 3) if b else None
+        if split_floor is not None and result.get("before_grpc_cpu_ms_per_request"):
+            least = result["floor_split_cpu_ms_per_request"] / result["before_grpc_cpu_ms_per_request"]
+            result["grpc_split_floor_vs_before"] = round(least, 3)
     print_result(result, args.out)
 
 
