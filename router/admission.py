@@ -22,6 +22,10 @@ from kvferry.router.inflight import Inflight, RequestRejected, error_code
 from kvferry.router.limits import check_limits
 from kvferry.v1 import generate_pb2, worker_pb2
 
+# the retry hint of a refusal for a full router (Retry-After / retry-after-ms): a slot frees when any
+# of --max-inflight requests ends, and a client that retries at once only meets the same refusal
+FULL_RETRY_AFTER_S = 1.0
+
 if TYPE_CHECKING:
     from kvferry.kvpool.metadata import MetadataStore
     from kvferry.model.tokenizer import Tokenizer
@@ -91,7 +95,8 @@ class Admission:
             raise RequestRejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.inflight)} requests in flight (--max-inflight {self.cfg.max_inflight}); "
-                "retry later",
+                f"retry in {FULL_RETRY_AFTER_S:g} s",
+                retry_after_s=FULL_RETRY_AFTER_S,
             )
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.inflight:

@@ -96,6 +96,10 @@ class RouterConfig:
         default=4 * 2**20,
         metadata=meta("the largest request message accepted (far above a valid request)"),
     )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata=meta("the longest wait for the next part of an HTTP request's body (then 408)"),
+    )
     event_loop: str = field(
         default="auto",
         metadata=meta(

@@ -78,6 +78,11 @@ class RouterMetrics:
         }
         self.success = counter("request_success_total", "Finished requests by reason.", ["finished_reason"])
         self.requests = counter("requests_total", "Requests by API and final status code.", ["api", "code"])
+        self.request_errors = counter(
+            "request_errors_total",
+            "Error answers by API and code (HTTP status or gRPC code), refused before admission or not.",
+            ["api", "code"],
+        )
         self.failovers = counter(
             "worker_failovers_total",
             "Worker calls retried on another worker, by role and code.",
@@ -141,6 +146,9 @@ class RouterMetrics:
         self.predicted_ttft_hist.labels(self.model_name).observe(predicted_ms / 1e3)
         if predicted_ms > 0:
             self.ttft_prediction_ratio.labels(self.model_name).observe(actual_ms / predicted_ms)
+
+    def request_error(self, api: str, code: str) -> None:
+        self.request_errors.labels(self.model_name, api, code).inc()
 
     def resumed(self) -> None:
         self.resumes.labels(self.model_name).inc()

@@ -13,7 +13,8 @@ the pool exactly as a gRPC cancel does.
     GET  /v1/models, GET /health (503 until the cluster is ready), GET /metrics
 
 Given API keys (--api-key), every route but /health and /metrics asks for `Authorization: Bearer <key>`
-(401 with an OpenAI error body otherwise). A body over --max-request-bytes is refused (413) unread.
+(401 with an OpenAI error body otherwise). A body over --max-request-bytes is refused (413): unread when
+its Content-Length says so, cut off when a chunked body passes it; a body that stalls is dropped (408).
 
 `OpenAIServing` answers the routes, one method each (`ROUTES`); `build_app` registers them on a FastAPI
 app behind `Gate` (keys, body size). `Fanout` runs a response's requests; `sse` and `collect` shape it.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import uuid
 from typing import TYPE_CHECKING
 
@@ -51,23 +54,60 @@ from kvferry.v1 import generate_pb2
 if TYPE_CHECKING:
     from kvferry.router.server import Router
 
+log = logging.getLogger(__name__)
+
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
 
 
 class Gate:
-    """API keys first (nothing is read for a caller without one), then the body's size. A plain ASGI
-    middleware: Starlette's `@app.middleware("http")` would pass every chunk of a streamed response
-    through a queue of its own (CPU per token on the router)."""
+    """API keys first (nothing is read for a caller without one), then the body: read here, counted as it
+    arrives whatever its framing (a `Transfer-Encoding: chunked` body has no length to check up front)
+    and cut at --max-request-bytes (413), each piece awaited at most --body-timeout-s (408). Every
+    response of 400 or more is counted (`kvferry:request_errors_total`); an exception that escapes a
+    route is logged, answered 500 with an OpenAI error body, and the connection stays usable. A plain
+    ASGI middleware (not BaseHTTPMiddleware, which would pass every streamed chunk through a queue of its
+    own: CPU per token on the router)."""
 
     def __init__(self, app, router: Router):
         self.app, self.router = app, router
+        self._logged: set[tuple[str, str]] = set()  # (type, where) of escaped exceptions already logged
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status: list[int] = []
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                if message["status"] >= 400:
+                    self.router.metrics.request_error("http", str(message["status"]))
+            await send(message)
+
+        try:
             refused = self.refuse(scope)
+            if refused is None:
+                try:
+                    body = await self.read_body(receive)
+                except ApiError as err:
+                    refused = err.response()
             if refused is not None:
-                return await refused(scope, receive, send)
-        await self.app(scope, receive, send)
+                return await refused(scope, receive, counted)
+            if body is None:
+                return  # the client went away before its body ended
+            where = unencodable(body)
+            if where is not None:
+                response = ApiError(
+                    400, f"{where} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)", where
+                ).response()
+                return await response(scope, receive, counted)
+            await self.app(scope, _replay(body, receive), counted)
+        except Exception as err:
+            self._log(err)
+            if not status:
+                response = ApiError(500, f"internal error ({type(err).__name__}); it is logged").response()
+                await response(scope, receive, counted)
+            # (a response under way is cut off: the server closes that connection)
 
     def refuse(self, scope) -> JSONResponse | None:
         cfg = self.router.cfg
@@ -86,6 +126,87 @@ class Gate:
                 413, f"the body has {length} bytes; at most {cfg.max_request_bytes} are accepted"
             ).response()
         return None
+
+    async def read_body(self, receive) -> bytes | None:
+        """The whole body, or None if the client disconnected first; ApiError 413 past the limit, 408
+        when a piece takes longer than --body-timeout-s."""
+        cfg = self.router.cfg
+        limit, pieces, size = cfg.max_request_bytes, [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), cfg.body_timeout_s)
+            except TimeoutError:
+                raise ApiError(
+                    408, f"the body stalled: no part of it came for {cfg.body_timeout_s:g} s"
+                ) from None
+            if message["type"] == "http.disconnect":
+                return None
+            piece = message.get("body", b"")
+            size += len(piece)
+            if size > limit:
+                raise ApiError(413, f"the body passed {limit} bytes; at most {limit} are accepted")
+            pieces.append(piece)
+            if not message.get("more_body", False):
+                return b"".join(pieces)
+
+    def _log(self, err: Exception) -> None:
+        """The traceback the first time an exception of this type escapes from this place, one line
+        after that (a client that repeats the request does not flood the log)."""
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+        key = (type(err).__name__, where)
+        if key in self._logged:
+            log.error("an HTTP request failed again with %s at %s: %s", key[0], where, err)
+        else:
+            self._logged.add(key)
+            log.exception("an HTTP request failed (answered 500)", exc_info=err)
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unencodable(body: bytes) -> str | None:
+    """Where a JSON body holds a string that no UTF-8 text can carry (a lone surrogate, which only a
+    \\u escape can write): its field path, e.g. 'messages[0].content'; None for none (the usual
+    case costs one scan of the bytes), or a body that is not JSON (the app answers that)."""
+    if SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    todo = [(data, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((key, path or "body"))
+                todo.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _replay(body: bytes, receive):
+    """The app's `receive`: the body read by the Gate as one message, then the connection's own (its
+    disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 class OpenAIServing:

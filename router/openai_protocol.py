@@ -134,7 +134,12 @@ class _Common(BaseModel):
             if kind == "json_object":
                 found.append(("response_format", "json_object", ""))
             elif kind == "json_schema":
-                schema = (rf.get("json_schema") or {}).get("schema")
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise InvalidRequestError(
+                        "response_format.json_schema must be an object with the schema under 'schema'"
+                    )
+                schema = spec.get("schema")
                 if not isinstance(schema, dict):
                     raise InvalidRequestError(
                         "response_format.json_schema.schema must be a JSON schema object"
@@ -763,6 +768,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
         400: "BadRequestError",
         401: "AuthenticationError",
         404: "NotFoundError",
+        408: "RequestTimeoutError",
         409: "ConflictError",
         413: "RequestTooLargeError",
         429: "RateLimitError",

@@ -291,17 +291,23 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 async for message in stream:
                     yield message
         except InvalidRequestError as err:
+            self.metrics.request_error("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except RequestRejected as err:
+            self.metrics.request_error("grpc", err.code.name)
             trailer = (
                 ()
                 if err.retry_after_s is None
                 else (("retry-after-ms", str(round(err.retry_after_s * 1e3))),)
             )
             await context.abort(err.code, str(err), trailing_metadata=trailer)
+        except (Exception, asyncio.CancelledError) as err:
+            if not isinstance(err, asyncio.CancelledError):  # (a client that went away is not an error)
+                self.metrics.request_error("grpc", grpc.StatusCode.UNKNOWN.name)
+            raise
 
     async def Abort(self, request, context):
-        await _none_longer(context, request.request_id)
+        await _none_longer(context, request.request_id, self.metrics)
         owner = owner_of(context.invocation_metadata())
         handle = self.admission.get(request.request_id)
         if handle is not None and not may_act_for(owner, handle.owner):
@@ -309,22 +315,23 @@ class Router(generate_pb2_grpc.GenerationServicer):
         elif handle is None and await self.releases.abort_elsewhere(request.request_id, owner):
             return generate_pb2.AbortResponse()  # admitted by another router of the fleet
         if handle is None:
-            await _not_in_flight(context, request.request_id)
+            await _not_in_flight(context, request.request_id, self.metrics)
         for one in (handle, *handle.siblings):  # every sequence of the request
             await self.releases.abort(one)
         return generate_pb2.AbortResponse()
 
     async def GetRequestStatus(self, request, context):
-        await _none_longer(context, request.request_id)
+        await _none_longer(context, request.request_id, self.metrics)
         owner = owner_of(context.invocation_metadata())
         status = await self.statuses.status(request.request_id, owner)
         if status is None:
-            await _not_in_flight(context, request.request_id)
+            await _not_in_flight(context, request.request_id, self.metrics)
         return status
 
     async def GetModelInfo(self, request, context):
         model = self.directory.model
         if model is None:
+            self.metrics.request_error("grpc", grpc.StatusCode.UNAVAILABLE.name)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
         return generate_pb2.ModelInfo(
             model=self.served_model_name,  # never the checkpoint's path on the workers' disks
@@ -341,14 +348,16 @@ class Router(generate_pb2_grpc.GenerationServicer):
         )
 
 
-async def _not_in_flight(context, request_id: str) -> None:
+async def _not_in_flight(context, request_id: str, metrics: RouterMetrics) -> None:
+    metrics.request_error("grpc", grpc.StatusCode.NOT_FOUND.name)
     await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request_id!r} is not in flight")
 
 
-async def _none_longer(context, request_id: str) -> None:
+async def _none_longer(context, request_id: str, metrics: RouterMetrics) -> None:
     """An id over the limit Generate takes is in flight nowhere: NOT_FOUND at once, before Abort or
     GetRequestStatus passes it on to every worker (a decode worker remembers an early abort's id)."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
+        metrics.request_error("grpc", grpc.StatusCode.NOT_FOUND.name)
         await context.abort(
             grpc.StatusCode.NOT_FOUND,
             f"request_id: no request in flight has one over {MAX_REQUEST_ID_CHARS} characters",

@@ -4,10 +4,12 @@ admits 4 requests at once and serves the model as kvferry-tiny; this module is i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +26,19 @@ from kvferry.proc import free_port
 from kvferry.router.client import Client, build_request
 
 MAX_INFLIGHT = 4
+BODY_TIMEOUT_S = 2.0
 NAME = "kvferry-tiny"
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.shared_cluster(
-        router=RouterConfig(port=0, http_port=0, max_inflight=MAX_INFLIGHT, served_model_name=NAME),
+        router=RouterConfig(
+            port=0,
+            http_port=0,
+            max_inflight=MAX_INFLIGHT,
+            served_model_name=NAME,
+            body_timeout_s=BODY_TIMEOUT_S,
+        ),
         prefill=WorkerGroupSettings(replicas=2, engine=ENGINE),
     ),
 ]
@@ -150,6 +159,15 @@ def test_models_and_health(cluster):
         ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop", "at most 16 stop strings"),
         ({"prompt": "x", "stop": ["s" * 300]}, 400, "stop[0]", "at most 256 characters"),
         ({"prompt": "x" * (1024 * 64 + 1)}, 400, "prompt", "at most 65536 characters"),
+        (
+            {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": "abc"}},
+            400,
+            "response_format.json_schema",
+            "must be an object",
+        ),
+        ({"prompt": "a\ud800b"}, 400, "prompt", "lone surrogate"),
+        ({"prompt": ["ok", "b\udfff"]}, 400, "prompt[1]", "lone surrogate"),
+        ({"prompt": "\ud83d\ude00", "max_tokens": 0}, 400, "max_tokens", ">= 1"),  # a pair is valid text
     ],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, param, words):
@@ -157,6 +175,86 @@ def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, 
     assert code == status, reply
     error = reply["error"]
     assert error["param"] == param and words in error["message"] and error["code"] == status
+
+
+def raw_request(sock: socket.socket, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request on an open keep-alive connection: (status, JSON reply); the connection stays usable."""
+    sock.sendall(head.encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        assert piece, data
+        data += piece
+    top, rest = data.split(b"\r\n\r\n", 1)
+    length = int(
+        next(h for h in top.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1]
+    )
+    while len(rest) < length:
+        piece = sock.recv(65536)
+        assert piece, rest
+        rest += piece
+    return int(top.split(b" ")[1]), json.loads(rest[:length])
+
+
+def test_every_error_is_counted_and_the_connection_stays_usable(cluster):
+    url = cluster.http_url + "/v1/completions"
+    errors = "kvferry:request_errors_total"
+    before = {code: metric(cluster, errors, api="http", code=code) for code in ("400", "404")}
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for body, want in (
+            (b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400),  # refused by the gate
+            (b'{"prompt": "x", "max_tokens": "many"}', 400),  # by the body's validation
+            (b'{"model": "gpt-4", "prompt": "x"}', 404),  # by the route
+            (b'{"prompt": "x", "max_tokens": 2}', 200),  # and the same connection still serves
+        ):
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            status, reply = raw_request(sock, f"{head}Content-Length: {len(body)}\r\n\r\n", body)
+            assert status == want, reply
+    assert metric(cluster, errors, api="http", code="400") == before["400"] + 2
+    assert metric(cluster, errors, api="http", code="404") == before["404"] + 1
+    code, _ = post(url, {"prompt": "x", "max_tokens": 2})
+    assert code == 200
+
+
+def router_rss_bytes(cluster) -> int:
+    pid = next(c for c in cluster.children if c.name == "router").proc.pid
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_chunked_body_is_cut_at_the_limit_and_a_stalled_one_dropped(cluster):
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    rss = router_rss_bytes(cluster)
+    # 64 MiB offered in 1 MiB chunks (no Content-Length): refused once 4 MiB have come, the rest unread
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
+        reply = b""
+        with contextlib.suppress(OSError):  # the router closes the connection on the rest
+            for _ in range(64):
+                sock.sendall(chunk)
+        sock.settimeout(30)
+        with contextlib.suppress(OSError):
+            while b"accepted" not in reply:
+                piece = sock.recv(65536)
+                if not piece:
+                    break
+                reply += piece
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+    assert b"at most 4194304" in reply
+    assert router_rss_bytes(cluster) - rss < 48 * 2**20  # it never held the 64 MiB
+    # a body that stops coming: 408 after the body timeout, not a connection held forever
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f'{head}Content-Length: 100\r\n\r\n{{"prompt"'.encode())
+        t0 = time.monotonic()
+        status, reply = raw_request(sock, "")
+        waited = time.monotonic() - t0
+    assert status == 408 and "stalled" in reply["error"]["message"], reply
+    assert BODY_TIMEOUT_S * 0.9 < waited < BODY_TIMEOUT_S + 10
+    code, _ = post(cluster.http_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert code == 200
 
 
 def test_duplicate_request_id_is_409_and_an_oversized_body_413(cluster, grpc_client, members):
@@ -280,8 +378,10 @@ def test_overload_is_429_and_the_server_keeps_serving(cluster, members, api):
     # 900 tokens take 0.5 s or more: the holders stay in flight while the next ones are refused
     holders = [held_stream(cluster.http_url, body) for _ in range(MAX_INFLIGHT)]
     try:
-        code, reply = post(cluster.http_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        url = cluster.http_url + "/v1/completions"
+        code, headers, reply = post(url, {"prompt": "x", "max_tokens": 2}, with_headers=True)
         assert code == 429 and "--max-inflight" in reply["error"]["message"]
+        assert headers["retry-after"] == "1"  # (a hint: when a slot may have come free)
         with pytest.raises(openai.RateLimitError):
             api.completions.create(model=NAME, prompt="x", max_tokens=2)
     finally:

@@ -385,3 +385,55 @@ def test_models_detokenize_and_the_model_check(tmp_path):
     with pytest.raises(ApiError) as unknown:
         asyncio.run(routes.detokenize(SimpleNamespace(model="other", tokens=[1])))
     assert (unknown.value.status, unknown.value.param) == (404, "model")
+
+
+def _asgi_post(app, pieces: list[bytes]) -> tuple[list[dict], list[int]]:
+    """Drive an ASGI app with one POST whose body comes in `pieces`: (messages it sent, statuses)."""
+    incoming = [
+        {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)
+    ]
+    sent: list[dict] = []
+
+    async def receive():
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.sleep(3600)  # (the client waits for the answer)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    return sent, [m["status"] for m in sent if m["type"] == "http.response.start"]
+
+
+def test_the_gate_bounds_the_body_answers_a_route_that_fails_and_counts_every_error():
+    from kvferry.router.metrics import RouterMetrics
+    from kvferry.router.openai_api import Gate
+
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen.append(message["body"])
+        if message["body"] == b"boom":
+            raise RuntimeError("a bug in a route")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    metrics = RouterMetrics("m", None)
+    router = SimpleNamespace(cfg=RouterConfig(max_request_bytes=10, api_keys=()), metrics=metrics)
+    gate = Gate(app, router)
+    # a body in pieces reaches the route whole; one past the limit never does (413), whatever its framing
+    assert _asgi_post(gate, [b"abc", b"def"])[1] == [200] and seen == [b"abcdef"]
+    assert _asgi_post(gate, [b"0123456", b"789ab"])[1] == [413] and seen == [b"abcdef"]
+    # a route that raises: a 500 with an OpenAI error body, not an exception out of the server
+    sent, statuses = _asgi_post(gate, [b"boom"])
+    assert statuses == [500] and b"internal error (RuntimeError)" in sent[-1]["body"]
+    errors = {
+        s.labels["code"]: s.value
+        for metric in metrics.request_errors.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    assert errors == {"413": 1.0, "500": 1.0}
