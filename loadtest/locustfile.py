@@ -24,6 +24,7 @@ from grpc.experimental import gevent as grpc_gevent
 grpc_gevent.init_gevent()  # before any channel: gRPC's I/O must yield to gevent
 
 import json  # noqa: E402
+import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
@@ -36,6 +37,19 @@ from kvferry.loadtest.arrivals import ArrivalSchedule, arrival_offsets  # noqa: 
 from kvferry.loadtest.metrics import RequestRecord  # noqa: E402
 from kvferry.loadtest.prompts import PromptSource  # noqa: E402
 from kvferry.router.client import Client, build_request  # noqa: E402
+from kvferry.settings import API_KEY_ENV  # noqa: E402
+
+
+def api_key() -> str | None:
+    """The key requests carry: the first of $KVFERRY_API_KEY (`kvferry loadtest sweep --api-key` puts
+    it there), None for none."""
+    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def auth_headers() -> dict[str, str]:
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @events.init_command_line_parser.add_listener
@@ -72,7 +86,7 @@ def _start(environment, **_) -> None:
     if environment.host.startswith(("http://", "https://")):
         _Run.model, vocab = openai_model(environment.host, o.vocab_size)
     else:
-        with Client(environment.host) as client:
+        with Client(environment.host, api_key=api_key()) as client:
             vocab = client.model_info(timeout=30).vocab_size
     _Run.prompts = PromptSource(vocab, o.input_len, o.prefix_share, seed=o.arrival_seed)
     offsets = arrival_offsets(o.rate, o.duration, o.burstiness, seed=o.arrival_seed)
@@ -91,7 +105,7 @@ def openai_model(base_url: str, vocab_size: int) -> tuple[str, int]:
     """(model name, vocabulary size) of an OpenAI-compatible server, from GET /v1/models: kvferry
     reports vocab_size; otherwise the model's config.json when `root` is a directory here (vLLM
     serving a local checkpoint), else `vocab_size` must be given."""
-    reply = requests.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    reply = requests.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(), timeout=30)
     reply.raise_for_status()
     card = reply.json()["data"][0]
     vocab = vocab_size or card.get("vocab_size") or 0
@@ -160,7 +174,7 @@ class GenerateUser(_OpenLoopUser):
     request_type = "grpc"
 
     def on_start(self) -> None:
-        self.client = Client(self.host)
+        self.client = Client(self.host, api_key=api_key())
 
     def on_stop(self) -> None:
         self.client.close()
@@ -187,6 +201,7 @@ class OpenAIUser(_OpenLoopUser):
 
     def on_start(self) -> None:
         self.session = requests.Session()
+        self.session.headers.update(auth_headers())
         self.url = self.host.rstrip("/") + "/v1/completions"
 
     def on_stop(self) -> None:

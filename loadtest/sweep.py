@@ -5,6 +5,11 @@ http://HOST:PORT of any OpenAI-compatible server) and each rate: one locust run 
 `--duration` seconds of open-loop arrivals, its JSONL records kept in OUT/<label>/rate-<r>.jsonl.
 Then per rate: TTFT/TPOT/ITL/E2EL p50/p90/p99, SLO attainment, throughput; per target: the goodput.
 Written to OUT: sweep.csv (a row per target and rate), summary.json, attainment.png, latency.png.
+
+`--api-key` (default: the first of $KVFERRY_API_KEY) is sent with every request, as `authorization:
+Bearer` (it reaches locust in its environment, never on a command line). Each target is asked for its
+model first: one that refuses (a missing or wrong key, a server that is down) stops the sweep at once
+with the server's answer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvferry.loadtest.metrics import RateSummary, Slo, goodput, read_records, span_s, summarize
+from kvferry.settings import API_KEY_ENV
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -54,7 +61,49 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vocab-size", type=int, default=0, help="for HTTP targets that report none (prompts are token ids)"
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"sent as 'authorization: Bearer KEY' to every target (default: the first of ${API_KEY_ENV})",
+    )
     p.add_argument("--out", type=Path, required=True)
+
+
+def api_key_of(args) -> str | None:
+    """--api-key, else the first key of the environment's (as `kvferry up` reads its own)."""
+    if args.api_key:
+        return args.api_key
+    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def probe(target: str, api_key: str | None) -> None:
+    """Ask the target for its model, as the load test's first step will: SystemExit with the server's
+    own answer when it refuses (rather than a sweep of requests that each fail the same way)."""
+    if target.startswith(("http://", "https://")):
+        import requests
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            reply = requests.get(target.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        except requests.RequestException as err:
+            raise SystemExit(f"{target}: cannot reach it ({err})") from None
+        if reply.status_code != 200:
+            try:
+                why = reply.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = reply.text[:300]
+            raise SystemExit(f"{target} refused the load test (HTTP {reply.status_code}): {why}")
+        return
+    import grpc
+
+    from kvferry.router.client import Client
+
+    with Client(target, api_key=api_key) as client:
+        try:
+            client.model_info(timeout=30)
+        except grpc.RpcError as err:
+            raise SystemExit(f"{target} refused the load test ({err.code().name}): {err.details()}") from None
 
 
 def users_for(rate: float, duration: float) -> int:
@@ -122,8 +171,12 @@ def run_rate(args, target: str, rate: float, records: Path, bar: tqdm) -> float:
     ]
     log = records.with_suffix(".log")
     started = time.monotonic()
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    if args.api_key_resolved:
+        env[API_KEY_ENV] = args.api_key_resolved  # (locustfile.api_key reads it)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         expected = max(1, round(rate * args.duration))
         while proc.poll() is None:
             done = _count_lines(records)
@@ -182,6 +235,9 @@ def run_sweep(args) -> dict:
     ]
     if len(labels) != len(targets):
         raise SystemExit(f"--labels names {len(labels)} targets, there are {len(targets)}")
+    args.api_key_resolved = api_key_of(args)
+    for target in targets:
+        probe(target, args.api_key_resolved)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     with tqdm(total=len(rates) * len(targets), desc="sweep", unit="rate") as bar:

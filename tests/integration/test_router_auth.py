@@ -13,6 +13,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -257,5 +258,48 @@ def test_default_deadline_applies_when_the_client_sets_none(cluster, tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 c.generate(long)  # no client deadline: the router's own ends it
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        router.stop()
+
+
+def test_loadtest_sweep_carries_the_key_and_a_refusal_stops_it_at_once(cluster, tmp_path, monkeypatch):
+    """`kvferry loadtest sweep` against a keyed router: without the key it stops at its first step with
+    the server's own message (it used to sweep ~335 s of refused requests in silence); with `--api-key`,
+    or the key in $KVFERRY_API_KEY, every request is served, over HTTP and gRPC."""
+    from kvferry.cli import main
+    from kvferry.loadtest.metrics import read_records
+
+    router = ExtraRouter(cluster, tmp_path / "router.log", "--api-key", KEY)
+    http = f"http://127.0.0.1:{router.http_port}"
+    try:
+
+        def ready() -> bool:
+            assert router.proc.poll() is None, router.log.read_text()[-3000:]
+            try:
+                with Client(router.addr, api_key=KEY) as c:
+                    return c.model_info(timeout=2).num_decode_workers == 1
+            except grpc.RpcError:
+                return False
+
+        wait_for(ready, 90, "the keyed router")
+        out = tmp_path / "sweep"
+        argv = ["loadtest", "sweep", "--target", http, "--compare", router.addr, "--labels", "http,grpc"]
+        argv += ["--rates", "2", "--duration", "2", "--input-len", "20", "--output-len", "4"]
+        argv += ["--slo-ttft", "2", "--slo-tpot", "0.5", "--out", str(out)]
+        monkeypatch.delenv("KVFERRY_API_KEY", raising=False)
+        for key, want in ((None, "missing or invalid API key"), ("wrong", "missing or invalid API key")):
+            t0 = time.monotonic()
+            with pytest.raises(SystemExit) as err:
+                main(argv + (["--api-key", key] if key else []))
+            assert "refused the load test (HTTP 401)" in str(err.value) and want in str(err.value)
+            assert time.monotonic() - t0 < 30 and not out.exists()  # at once: no rate was run
+        with pytest.raises(SystemExit) as err:  # a gRPC target alone: the same, with gRPC's status
+            main(["loadtest", "sweep", "--target", router.addr, *argv[4:]])
+        assert "refused the load test (UNAUTHENTICATED)" in str(err.value)
+        monkeypatch.setenv("KVFERRY_API_KEY", f"{KEY},another")  # the first key of the environment's
+        assert main(argv) == 0
+        for label in ("http", "grpc"):
+            records = read_records(out / label / "rate-2.jsonl")
+            assert records and all(r.ok and r.output_tokens == 4 for r in records), label
     finally:
         router.stop()
