@@ -377,9 +377,12 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
             first = stream.report is not None
             if not (first or out.finished or len(stream.held) >= self.engine.cfg.stream_interval):
                 continue  # held for the next message (the first and the last go at once)
+            # a request that failed (its structured output did) ends in error, its tokens so far first:
+            # never a finish that reads as a success
+            failed = out.finished and out.finish_reason == "error"
             msg = worker_pb2.DecodeResponse(
                 token_ids=stream.held,
-                finish_reason=out.finish_reason or "",
+                finish_reason="" if failed else out.finish_reason or "",
                 logprobs=logprobs_to_proto(stream.held_logprobs),
             )
             if out.prompt_logprobs is not None:  # colocated: this worker computed the prompt
@@ -400,12 +403,16 @@ class DecodeWorker(EngineWorker, worker_pb2_grpc.DecodeWorkerServicer):
                     msg.cached_tokens = stream.req.num_cached_tokens
             if out.finished:
                 stream.finish_reason = out.finish_reason or "abort"
-            if isinstance(stream.out, LinkSink):
+            if failed and not msg.token_ids and report is None:
+                pass  # nothing came before the failure: the error alone
+            elif isinstance(stream.out, LinkSink):
                 stream.out.link.put(out.request_id, msg, wake=False)
                 links.add(stream.out.link)
             else:
                 stream.out.put(msg)
-            if out.finished:
+            if failed:
+                self.failed(out.request_id, RuntimeError(out.error or "the request failed"))
+            elif out.finished:
                 self._forget(out.request_id)
         for link in links:
             link.wake()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.structured import first_line
 from kvferry.model.sampler import TokenLogprob
 from kvferry.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -24,6 +25,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # on a request's first output, when it asks for them: one per prompt token from the second on
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: str = ""  # finish_reason "error": why (the request's output is not to be used as done)
 
 
 @dataclass
@@ -76,14 +78,19 @@ class OutputState:
         """Append a sampled token (and its logprob, when the request asks for them); return the finished
         status it causes, if any."""
         req = self.req
+        matcher = req.matcher
+        if matcher is not None and (not matcher.consume_token(token) or matcher.is_error()):
+            # past its grammar's budget (engine.structured.LIMITS; a mask that failed allowed only EOS),
+            # or a token it does not allow: the request ends in error (without that token) rather than
+            # with text its constraint does not match
+            why = first_line(matcher.get_error()) or f"token {token} is not allowed"
+            req.error = f"the structured output failed at output token {len(req.output_token_ids)}: {why}"
+            return RequestStatus.FINISHED_ERROR
         req.output_token_ids.append(token)
         self.pending_ids.append(token)
         if logprob is not None and req.params.logprobs is not None:
             self.pending_logprobs.append(logprob)
             req.output_logprobs.append(logprob)
-        matcher = req.matcher
-        if matcher is not None:
-            matcher.consume_token(token)
         # before min_tokens, no stop rule applies (the sampler never picks a stop id then)
         stops = len(req.output_token_ids) >= req.params.min_tokens
         if stops and token in self.stop_ids:
@@ -124,6 +131,7 @@ class OutputState:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=self.pending_logprobs,
+            error=req.error,
         )
         if not self.prompt_logprobs_sent:
             out.prompt_logprobs = req.prompt_logprobs

@@ -32,6 +32,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # it could not go on as asked (its structured output failed): `Request.error` says why
 
     @property
     def is_finished(self) -> bool:
@@ -46,6 +47,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -207,6 +209,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token (when asked)
     salt_key: bytes | None = None  # the parent of its first block key (engine.block_hash.salt_key)
     matcher: object | None = None  # its structured output's llguidance matcher (engine.structured)
+    error: str = ""  # why it ended FINISHED_ERROR (set as the token that failed is added)
     sibling_samples: list = field(default_factory=list)  # params.n > 1: the other first tokens (Sampled)
     spec_tokens: list[int] = field(default_factory=list)  # this step's draft tokens (engine.spec_decode)
 

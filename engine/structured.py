@@ -7,14 +7,25 @@ A request asks for one constraint, `(kind, value)`:
     grammar      a Lark or GBNF grammar
 
 `Grammars` turns it into an llguidance matcher for one tokenizer: compiled once per distinct constraint
-(an LRU cache of matchers in their start state; each request gets a copy), off the engine thread where
-the caller can (the workers compile in their gRPC handlers; the router compiles to refuse a bad one with
-a 400 before anything runs). A constraint the library refuses raises StructuredOutputError with its
-message. Each step, `fill_mask` writes the tokens a matcher allows next into a row of the batch's
-bitmask (`masks` unpacks it for the sampler), and the request's output state feeds every token it
-keeps to its matcher; a matcher that is stopped (the grammar is complete) ends the request with
-"stop". The matcher's state is never sent anywhere: a worker that takes a request over rebuilds it by
-replaying the request's output tokens (`replay`).
+(an LRU cache of matchers in their start state; each request gets a copy), never on the engine thread:
+the router compiles to refuse a bad one with a 400 before anything runs, the workers in their gRPC
+handlers, both through `compile_off_loop` (a small pool of its own, so a flood of constraints queues
+there, bounded, and takes no thread that Redis or tokenizing needs). A constraint the library refuses
+raises StructuredOutputError with its message.
+
+A grammar cannot hurt other requests: llguidance builds its lexer lazily, at the first masks, so
+compiling here also computes the first mask and one step past it (`_warm`), under `LIMITS` (the fuel
+a lexer may burn at its start and in any one step, its states: ~1-2 kB each): a constraint over them,
+or slower than COMPILE_BUDGET_S, is refused before any prefill, with the limit it passed. Past that,
+every mask step the engine thread computes for it is bounded by the step fuel.
+
+Each step, `fill_mask` writes the tokens a matcher allows next into a row of the batch's bitmask
+(`masks` unpacks it for the sampler), and the request's output state feeds every token it keeps to
+its matcher; a matcher that is stopped (the grammar is complete) ends the request with "stop", one
+that fails (a limit passed mid-generation) ends it with "error" and the library's message: the client
+gets an error, never text that does not match its constraint. The matcher's state is never sent
+anywhere: a worker that takes a request over rebuilds it by replaying the request's output tokens
+(`replay`).
 
 Why llguidance (measured against xgrammar 0.2.8 on this project's tokenizer, see the README): it
 refuses the schema features it cannot enforce (`not`, `if/then`, unknown formats) with a clear message,
@@ -25,8 +36,11 @@ torch, triton, transformers and apache-tvm-ffi); its masks cost 3-10 us more per
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -36,7 +50,21 @@ import torch
 from kvferry.engine.request import STRUCTURED_KINDS as KINDS
 from kvferry.engine.request import InvalidRequestError
 
-CACHE_SIZE = 256  # distinct constraints kept compiled
+CACHE_SIZE = 128  # distinct constraints kept compiled
+# llguidance's budget for one grammar (its defaults let one regex take seconds of an engine step and
+# ~0.5 GB): lexer fuel at the start (~50k/ms) and per mask step (~14k/ms: a few ms at most on the
+# engine thread), its lexer states (memory: ~1-2 kB each), the grammar's size; errors name no state
+LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 50_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 20_000,
+    "max_grammar_size": 200_000,
+    "verbose_errors": False,
+}
+COMPILE_BUDGET_S = 2.0  # the wall time a constraint may take to compile and warm (then: refused)
+COMPILE_THREADS = 2  # the pool constraints compile in (per process)
+COMPILE_QUEUE = 32  # constraints waiting to compile at most (more: RESOURCE_EXHAUSTED, retry)
 # JSON comes out in one layout, json.dumps's (", " and ": ", no other whitespace): a model cannot spend
 # its tokens on whitespace the schema allows but nobody reads
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -44,6 +72,15 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 class StructuredOutputError(InvalidRequestError):
     """A constraint the grammar library refuses (the message says why)."""
+
+
+class CompilerBusy(RuntimeError):
+    """More constraints are waiting to compile than COMPILE_QUEUE: try again shortly."""
+
+
+def first_line(message: str) -> str:
+    """llguidance's message without the parser state it may append."""
+    return message.strip().split("\n", 1)[0].strip()
 
 
 def grammar_of(kind: str, value: str) -> str:
@@ -73,33 +110,98 @@ def grammar_of(kind: str, value: str) -> str:
 class Grammars:
     """Compiles and caches constraints for one tokenizer (thread-safe)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], limits: dict | None = None
+    ):
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self._tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos_ids or None)
+        self._limits = llg.LLParserLimits(**(LIMITS if limits is None else limits))
         self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, kind: str, value: str) -> llg.LLMatcher:
-        """A fresh matcher of the constraint (raises StructuredOutputError)."""
+    def cached(self, kind: str, value: str) -> llg.LLMatcher | None:
+        """A fresh matcher of a constraint compiled already, else None (no work)."""
         key = (kind, value)
         with self._lock:
             start = self._cache.get(key)
-            if start is not None:
-                self._cache.move_to_end(key)
-                return start.deep_copy()
-        start = llg.LLMatcher(self._tokenizer, grammar_of(kind, value), log_level=0)
+            if start is None:
+                return None
+            self._cache.move_to_end(key)
+            return start.deep_copy()
+
+    def matcher(self, kind: str, value: str) -> llg.LLMatcher:
+        """A fresh matcher of the constraint (raises StructuredOutputError): compiled, and warmed within
+        the budget, on first use."""
+        fresh = self.cached(kind, value)
+        if fresh is not None:
+            return fresh
+        t0 = time.monotonic()
+        start = llg.LLMatcher(self._tokenizer, grammar_of(kind, value), log_level=0, limits=self._limits)
         if start.is_error():
-            raise StructuredOutputError(start.get_error())
+            raise StructuredOutputError(first_line(start.get_error()))
+        self._warm(start)
+        took = time.monotonic() - t0
+        if took > COMPILE_BUDGET_S:
+            raise StructuredOutputError(
+                f"the constraint took {took:.1f} s to compile, over the budget of {COMPILE_BUDGET_S:g} s"
+            )
         with self._lock:
-            self._cache[key] = start
+            self._cache[(kind, value)] = start
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return start.deep_copy()
 
+    def _warm(self, start: llg.LLMatcher) -> None:
+        """Build what llguidance builds lazily, here rather than on the engine thread: the first mask
+        (in `start` itself), then, on a copy, one step on (the first token allowed, and the mask after
+        it). A limit passed on the way refuses the constraint (StructuredOutputError naming it)."""
+        words = (self.vocab_size + 31) // 32
+        mask = fill_mask([start], self.vocab_size)
+        if start.is_error():
+            raise StructuredOutputError(f"over the grammar budget: {first_line(start.get_error())}")
+        allowed = masks(mask, self.vocab_size)[0].nonzero().flatten().tolist()
+        step = [t for t in allowed if t not in self.eos_ids][:1]
+        if not step or start.is_stopped():
+            return
+        probe = start.deep_copy()
+        probe.consume_token(step[0])
+        if not probe.is_error() and not probe.is_stopped():
+            scratch = torch.empty(words, dtype=torch.int32)  # (held: llguidance writes into it)
+            probe.unsafe_compute_mask_ptr(scratch.data_ptr(), words * 4)
+        if probe.is_error():
+            raise StructuredOutputError(f"over the grammar budget: {first_line(probe.get_error())}")
+
     def check(self, kind: str, value: str) -> None:
         """Raise StructuredOutputError if the constraint does not compile (and keep it compiled)."""
         self.matcher(kind, value)
+
+
+_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+_waiting = 0  # compiles submitted to the pool and not finished (the event loop's thread counts them)
+
+
+async def compile_off_loop(grammars: Grammars, kind: str, value: str, then=None):
+    """`grammars.matcher(kind, value)` (then `then(matcher)`, if given, in the same thread), returned: a
+    cached constraint at once (without `then`), else in the compile pool: CompilerBusy when
+    COMPILE_QUEUE calls already wait there."""
+    global _waiting
+    if then is None:
+        fresh = grammars.cached(kind, value)
+        if fresh is not None:
+            return fresh
+    if _waiting >= COMPILE_QUEUE:
+        raise CompilerBusy(f"{_waiting} constraints are compiling here: try again shortly")
+    _waiting += 1
+    try:
+
+        def build():
+            matcher = grammars.matcher(kind, value)
+            return matcher if then is None else then(matcher)
+
+        return await asyncio.get_running_loop().run_in_executor(_pool, build)
+    finally:
+        _waiting -= 1
 
 
 def replay(matcher: llg.LLMatcher, tokens: Sequence[int]) -> None:

@@ -279,6 +279,10 @@ class PrefillWorker(EngineWorker, worker_pb2_grpc.PrefillWorkerServicer):
         job = self.jobs.get(req.request_id)
         if job is None:
             return
+        if req.error:  # its first token failed its structured output: an error, and nothing to write
+            self._drop(req.request_id, job)
+            job.future.set_exception(RuntimeError(req.error))
+            return
         kv_api = self.engine.kv
         bs = kv_api.block_size
         num_full = req.num_prompt_tokens // bs

@@ -17,7 +17,7 @@ import grpc
 from kvferry.convert import sampling_from_proto
 from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
-from kvferry.engine.structured import Grammars, StructuredOutputError
+from kvferry.engine.structured import CompilerBusy, Grammars, StructuredOutputError, compile_off_loop
 from kvferry.router.inflight import Inflight, RequestRejected, error_code
 from kvferry.router.limits import check_limits
 from kvferry.v1 import generate_pb2, worker_pb2
@@ -25,6 +25,7 @@ from kvferry.v1 import generate_pb2, worker_pb2
 # the retry hint of a refusal for a full router (Retry-After / retry-after-ms): a slot frees when any
 # of --max-inflight requests ends, and a client that retries at once only meets the same refusal
 FULL_RETRY_AFTER_S = 1.0
+COMPILE_RETRY_AFTER_S = 1.0  # the same, for a full queue of constraints to compile
 
 if TYPE_CHECKING:
     from kvferry.kvpool.metadata import MetadataStore
@@ -193,9 +194,13 @@ class Admission:
         if params.structured is not None:  # compiled here (cached) to refuse a bad one before any work
             kind, value = params.structured
             try:
-                await asyncio.to_thread(self.grammars().check, kind, value)
+                await compile_off_loop(self.grammars(), kind, value)
             except StructuredOutputError as err:
                 raise InvalidRequestError(f"sampling.structured.{kind}: {err}") from None
+            except CompilerBusy as err:
+                raise RequestRejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), retry_after_s=COMPILE_RETRY_AFTER_S
+                ) from None
         return ids, params
 
     def grammars(self) -> Grammars:

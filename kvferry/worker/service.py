@@ -28,7 +28,7 @@ import grpc
 from kvferry.engine.engine import LLMEngine
 from kvferry.engine.loop import EngineLoop, EngineStopped
 from kvferry.engine.request import InvalidRequestError, Request
-from kvferry.engine.structured import replay
+from kvferry.engine.structured import CompilerBusy, compile_off_loop, replay
 from kvferry.kvpool.client import PoolClient
 from kvferry.kvpool.transfer import BlockLayout, dtype_name
 from kvferry.rpc import hard_exit
@@ -83,15 +83,16 @@ class EngineWorker:
         ids = request.prompt_token_ids
         made = list(ids[len(ids) - offset :]) if offset else []
 
-        def build():
-            matcher = self.grammars.matcher(*spec)
+        def replayed(matcher):
             replay(matcher, made)
             return matcher
 
         try:
-            return await asyncio.to_thread(build)
+            return await compile_off_loop(self.grammars, *spec, then=replayed)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.structured: {err}")
+        except CompilerBusy as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
     def start(self) -> None:
         self.loop.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
@@ -214,3 +215,46 @@ def test_grpc_structured_output_and_its_refusal(cluster):
             client.generate(request, timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.structured.json_schema" in err.value.details()
+
+
+HEAVY = "(a{1000}){1000}"  # its lexer explodes at the first masks: over budget at compile time
+FAILS_LATER = "(b|c)(a{1000}){1000}"  # compiles in budget; its lexer passes the budget a few tokens in
+
+
+def test_a_grammar_over_budget_is_a_400_before_any_work_and_one_that_fails_later_an_error(cluster, name, api):
+    """A constraint can cost no one else: one over llguidance's budget is refused (400 naming the limit)
+    before any prefill, quickly; one that passes it mid-generation ends in an error the client sees, on
+    every API, never in a success with text the constraint does not match. Plain requests go on."""
+    url = cluster.http_url + "/v1/completions"
+    body = {"model": name, "prompt": "x", "max_tokens": 30, "temperature": 0}
+    t0 = time.monotonic()
+    code, reply = post(url, body | {"structured_outputs": {"regex": HEAVY}})
+    assert code == 400 and "over the grammar budget" in reply["error"]["message"], reply
+    assert time.monotonic() - t0 < 5
+    code, reply = post(url, body | {"structured_outputs": {"regex": FAILS_LATER}, "ignore_eos": True})
+    assert code == 500 and "structured output failed at output token" in reply["error"]["message"], reply
+    stream = api.completions.create(
+        model=name,
+        prompt="y",
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": FAILS_LATER}, "ignore_eos": True},
+    )
+    with pytest.raises(openai.APIError, match="structured output failed"):
+        for _ in stream:
+            pass
+    with Client(cluster.router_addr) as client:
+        request = build_request(prompt="z", max_tokens=30, temperature=0.0, ignore_eos=True)
+        request.sampling.structured.regex = FAILS_LATER
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "structured output failed at output token" in err.value.details()
+        request.sampling.structured.regex = HEAVY
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the grammar budget" in err.value.details()
+        plain = client.generate(build_request(prompt="x", max_tokens=5, temperature=0.0), timeout=60)
+        assert plain.finished.output_tokens >= 1

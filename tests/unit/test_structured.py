@@ -4,6 +4,7 @@ token mask the sampler applies, the replay that rebuilds a matcher elsewhere, an
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -108,3 +109,59 @@ def test_refusals_say_why(grammars, kind, value, words):
         grammars.check(kind, value)
     assert words.lower() in str(err.value).lower()
     assert grammar_of("json_object", "")  # (and the good ones build)
+
+
+def test_a_grammar_over_budget_is_refused_at_compile_time_and_quickly(grammars):
+    """llguidance builds its lexer at the first masks: compiling warms them under LIMITS, so a regex whose
+    lexer explodes is a refusal naming the limit, not seconds of some engine step."""
+    t0 = time.monotonic()
+    with pytest.raises(
+        StructuredOutputError, match=r"over the grammar budget: .*too many expressions"
+    ) as err:
+        grammars.check("regex", "(a{1000}){1000}")
+    assert time.monotonic() - t0 < 2.0  # (with llguidance's own limits: ~0.5 s of lexer, then a failure)
+    assert "<state>" not in str(err.value)  # no parser state in what a client reads
+
+
+def test_a_matcher_that_fails_mid_generation_ends_its_request_in_error(grammars, tokenizer):
+    """A constraint that compiles but passes its budget later: the request ends FINISHED_ERROR at the token
+    that failed (which is not kept), with why; never "stop" with text the constraint does not match."""
+    from kvferry.engine.output import OutputState
+    from kvferry.engine.request import Request, RequestStatus, SamplingParams
+
+    value = "(b|c)(a{1000}){1000}"
+    grammars.check("regex", value)  # (the first step and the one after it are in budget)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    req.matcher = grammars.matcher("regex", value)
+    state = OutputState(req, tokenizer, (tokenizer.eos_token_id,), 1024)
+    # as the engine does: a mask, then a token it allows (here: the first), until the matcher fails
+    status, added = None, []
+    for _ in range(20):
+        allowed = masks(fill_mask([req.matcher], tokenizer.vocab_size), tokenizer.vocab_size, state.stop_ids)
+        token = int(allowed[0].nonzero()[0])
+        status = state.add_token(token)
+        if status is not None:
+            break
+        added.append(token)
+    assert status == RequestStatus.FINISHED_ERROR and req.output_token_ids == added  # (not the last)
+    assert req.error.startswith(f"the structured output failed at output token {len(added)}: ")
+    assert "too many" in req.error and "<state>" not in req.error and "<non-verbose" not in req.error
+    req.status = status
+    out = state.emit()
+    assert out.finished and out.finish_reason == "error" and out.error == req.error
+    assert out.text == tokenizer.decode(added)
+    assert out.text == "" or (out.text[0] in "bc" and set(out.text[1:]) <= {"a"})  # what it kept matches
+
+
+def test_an_engine_request_whose_grammar_fails_finishes_with_error(tiny_model_dir):
+    from kvferry.engine.engine import EngineConfig, LLMEngine
+    from kvferry.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
+    structured = ("regex", "(b|c)(a{1000}){1000}")
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, structured=structured)
+    outs = list(engine.stream("hello", params))
+    last = outs[-1]
+    assert last.finish_reason == "error" and "structured output failed" in last.error
+    text = "".join(o.text for o in outs)
+    assert text == "" or (text[0] in "bc" and set(text[1:]) <= {"a"})  # what it kept matches
