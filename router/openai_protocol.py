@@ -36,7 +36,17 @@ NEUTRAL = {
     "bad_words": (None, []),
     "prompt_embeds": (None,),
     "truncate_prompt_tokens": (None,),
+    "modalities": (None, ["text"]),  # (audio out: not served)
+    "skip_special_tokens": (None, True),  # vLLM's; kvferry always leaves special tokens out of text
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "functions": (None, []),  # the chat API's old spelling of tools
+    "function_call": (None, "none"),
 }
+# Fields that change nothing a client gets back here: accepted and not used. Any other field kvferry
+# does not know is a 400 naming it (`reasoning_effort`, `prediction`, `audio`, a typo...): a field that
+# might change the output is never accepted and ignored.
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # vLLM's structured-output fields (the older `guided_*` spellings and the `structured_outputs` object's
 # keys) -> engine.structured's kinds
 GUIDED = {
@@ -52,6 +62,10 @@ STRUCTURED_KEYS = {
     "grammar": "grammar",
     "json_object": "json_object",
 }
+# the fields read from a request's extras (not declared on the models): every other extra is refused
+KNOWN_EXTRAS = frozenset(
+    {*NEUTRAL, *GUIDED, *HARMLESS, "response_format", "structured_outputs", "guided_json_object"}
+)
 
 
 def _structured_value(field: str, kind: str, value) -> str:
@@ -190,6 +204,12 @@ class _Common(BaseModel):
             value = given.get(name)
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise InvalidRequestError(f"{name}={value!r} is not supported by kvferry")
+        unknown = sorted(set(given) - KNOWN_EXTRAS)
+        if unknown:
+            raise InvalidRequestError(
+                f"{unknown[0]} is not a field kvferry knows (it is refused, not ignored: it might change "
+                "the output); see the README's table of OpenAI fields"
+            )
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.stream_options is not None and not self.stream:

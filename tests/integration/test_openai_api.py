@@ -168,6 +168,10 @@ def test_models_and_health(cluster):
         ({"prompt": "a\ud800b"}, 400, "prompt", "lone surrogate"),
         ({"prompt": ["ok", "b\udfff"]}, 400, "prompt[1]", "lone surrogate"),
         ({"prompt": "\ud83d\ude00", "max_tokens": 0}, 400, "max_tokens", ">= 1"),  # a pair is valid text
+        ({"prompt": "x", "reasoning_effort": "high"}, 400, "reasoning_effort", "not a field kvferry knows"),
+        ({"prompt": "x", "prediction": {"type": "content"}}, 400, "prediction", "refused, not ignored"),
+        ({"prompt": "x", "max_tokenz": 9}, 400, "max_tokenz", "not a field kvferry knows"),  # a typo
+        ({"prompt": "x", "modalities": ["text", "audio"]}, 400, "modalities", "not supported"),
     ],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(cluster, body, status, param, words):
@@ -286,6 +290,18 @@ def test_duplicate_request_id_is_409_and_an_oversized_body_413(cluster, grpc_cli
             assert piece, reply
             reply += piece
     assert reply.startswith(b"HTTP/1.1 413 ")
+
+
+def test_fields_that_change_nothing_are_accepted(cluster):
+    harmless = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    body = {"prompt": "x", "max_tokens": 2, "modalities": ["text"], **harmless}
+    code, reply = post(cluster.http_url + "/v1/completions", body)
+    assert code == 200 and reply["usage"]["completion_tokens"] == 2, reply
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "parallel_tool_calls": True}
+    code, reply = post(cluster.http_url + "/v1/chat/completions", chat | harmless)
+    assert code == 200, reply
+    code, reply = post(cluster.http_url + "/v1/chat/completions", chat | {"audio": {"voice": "x"}})
+    assert code == 400 and reply["error"]["param"] == "audio", reply
 
 
 def test_malformed_json_and_bad_chat_messages(cluster):
