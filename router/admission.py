@@ -27,6 +27,16 @@ from kvferry.v1 import generate_pb2, worker_pb2
 FULL_RETRY_AFTER_S = 1.0
 COMPILE_RETRY_AFTER_S = 1.0  # the same, for a full queue of constraints to compile
 
+
+def tenant_salt(cache_salt: str, owner: str, scope: str) -> str:
+    """The salt a request's block keys are made with: its own `cache_salt` and, with --prefix-cache-scope
+    key, its API key's identity (`owner`: a digest, never the key), so that requests of different keys
+    share no cached block; a request without a key (an open cluster) keeps its salt as it is."""
+    if scope != "key" or not owner:
+        return cache_salt
+    return f"owner:{owner}\0{cache_salt}"
+
+
 if TYPE_CHECKING:
     from kvferry.kvpool.metadata import MetadataStore
     from kvferry.model.tokenizer import Tokenizer
@@ -215,7 +225,7 @@ class Admission:
         holds (its one lookup): what predicting its TTFT and choosing its prefill worker take."""
         model = self.directory.model
         fingerprint = bytes.fromhex(model.fingerprint)
-        salt = salt_key(cache_salt)
+        salt = salt_key(tenant_salt(cache_salt, handle.owner, self.cfg.prefix_cache_scope))
         keys = block_keys(handle.ids, model.block_size, fingerprint, salt)
         handle.prompt_keys = worker_pb2.PromptKeys(
             fingerprint=fingerprint, block_keys=keys, salt_key=salt or b""

@@ -13,6 +13,7 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ROUTING_MODES = ("kv-aware", "least-load")  # router.prefix_routing
 ADMISSION_MODES = ("predictive", "cap")  # router.slo
 MISS_ACTIONS = ("reject", "deprioritize")
+CACHE_SCOPES = ("key", "cluster")  # router.admission.tenant_salt
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,14 @@ class RouterConfig:
         ),
     )
 
+    prefix_cache_scope: str = field(
+        default="key",
+        metadata=meta(
+            "who shares cached prompt prefixes, with API keys: key (each key its own: no key learns from "
+            "cached_tokens or TTFT what another sent) or cluster (every key, the most hits)",
+            choices=CACHE_SCOPES,
+        ),
+    )
     detach_grace_s: float = field(
         default=10.0,
         metadata=meta(

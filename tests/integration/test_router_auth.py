@@ -9,6 +9,7 @@ import datetime
 import ipaddress
 import json
 import os
+import random
 import shutil
 import ssl
 import subprocess
@@ -303,3 +304,33 @@ def test_loadtest_sweep_carries_the_key_and_a_refusal_stops_it_at_once(cluster, 
             assert records and all(r.ok and r.output_tokens == 4 for r in records), label
     finally:
         router.stop()
+
+
+def cached_tokens(router: ExtraRouter, key: str, prompt: list[int]) -> int:
+    """What one greedy request of `prompt` with `key` found cached (-1: the router does not serve yet)."""
+    assert router.proc.poll() is None, router.log.read_text()[-3000:]
+    request = build_request(prompt_token_ids=prompt, max_tokens=1, temperature=0.0)
+    try:
+        with Client(router.addr, api_key=key) as c:
+            return c.generate(request, timeout=60).finished.cached_tokens
+    except grpc.RpcError:
+        return -1
+
+
+def test_each_api_key_has_its_own_prefix_cache_unless_the_cluster_shares_it(cluster, tmp_path):
+    """With keys, a request finds cached only what its own key sent (--prefix-cache-scope key, the
+    default): another key learns nothing from cached_tokens (or TTFT). `cluster` shares them all."""
+    rng = random.Random(7)
+    for scope, shared in (("key", False), ("cluster", True)):
+        flags = ("--api-key", KEY, "--api-key", "second-key", "--prefix-cache-scope", scope)
+        router = ExtraRouter(cluster, tmp_path / f"{scope}.log", *flags)
+        prompt = [rng.randrange(100, 8000) for _ in range(96)]  # six blocks, sent nowhere before
+        try:
+            # the first key's requests until one finds its own prefix cached (the cache is warm)
+            wait_for(
+                lambda r=router, p=prompt: cached_tokens(r, KEY, p) >= 16, 90, f"a cached prompt ({scope})"
+            )
+            other = cached_tokens(router, "second-key", prompt)  # the other key's first request of it
+            assert (other >= 16) if shared else (other == 0), (scope, other)
+        finally:
+            router.stop()
