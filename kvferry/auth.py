@@ -90,7 +90,7 @@ class Credentials:
 
     def __init__(self, secret: str | None = None, api_keys: Sequence[str] = ()):
         self.secret = secret
-        self.api_keys = [k for k in api_keys if k]
+        self.api_keys = bare_keys(api_keys)  # (a `KEY:options` spec: its key)
 
     @property
     def required(self) -> bool:
@@ -124,8 +124,41 @@ def owner_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
         if k.lower() == "authorization":
             auth = v.decode() if isinstance(v, bytes) else v
             if auth.lower().startswith("bearer ") and auth[7:].strip():
-                return hashlib.sha256(b"kvferry-owner\0" + auth[7:].strip().encode()).hexdigest()[:32]
+                return owner_of_key(auth[7:].strip())
     return ""
+
+
+def owner_of_key(key: str) -> str:
+    """`owner_of` a request made with this API key."""
+    return hashlib.sha256(b"kvferry-owner\0" + key.encode()).hexdigest()[:32]
+
+
+# what `--api-key KEY:option=value:...` may set for one key (router.admission.KeyPolicy)
+KEY_OPTIONS = ("min_priority", "max_inflight")
+
+
+def split_key_spec(spec: str) -> tuple[str, dict[str, int]]:
+    """An API key as the router is given it, `KEY` or `KEY:option=value:...` (KEY_OPTIONS, integers),
+    as (the key clients send, its options); ValueError naming what is wrong."""
+    key, *options = spec.split(":")
+    out: dict[str, int] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in KEY_OPTIONS:
+            want = ", ".join(KEY_OPTIONS)
+            raise ValueError(f"API key option {option!r}: expected one of {want} as NAME=INT")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"API key option {name}: {value!r} is not an integer") from None
+    if not key:
+        raise ValueError("an API key spec without a key")
+    return key, out
+
+
+def bare_keys(specs: Iterable[str]) -> list[str]:
+    """The keys of API key specs (what clients send), options left off."""
+    return [spec.split(":", 1)[0] for spec in specs if spec]
 
 
 def may_act_for(caller: str, owner: str) -> bool:

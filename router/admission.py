@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import replace
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
 
+from kvferry.auth import owner_of_key, split_key_spec
 from kvferry.convert import sampling_from_proto
 from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
@@ -26,6 +28,27 @@ from kvferry.v1 import generate_pb2, worker_pb2
 # of --max-inflight requests ends, and a client that retries at once only meets the same refusal
 FULL_RETRY_AFTER_S = 1.0
 COMPILE_RETRY_AFTER_S = 1.0  # the same, for a full queue of constraints to compile
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What requests made with one API key may do: ask for a priority no lower than `min_priority`, hold
+    at most `max_inflight` sequences at once (0: no limit but --max-inflight)."""
+
+    min_priority: int = 0
+    max_inflight: int = 0
+
+
+def key_policies(cfg: RouterConfig) -> dict[str, KeyPolicy]:
+    """owner -> the policy of each key given options (`KEY:min_priority=N:max_inflight=N`), the
+    router's defaults (--min-priority, --max-inflight-per-key) for what the key leaves out."""
+    out = {}
+    for spec in cfg.api_keys:
+        key, options = split_key_spec(spec)
+        if options:
+            own = {"min_priority": cfg.min_priority, "max_inflight": cfg.max_inflight_per_key} | options
+            out[owner_of_key(key)] = KeyPolicy(**own)
+    return out
 
 
 def tenant_salt(cache_salt: str, owner: str, scope: str) -> str:
@@ -69,10 +92,17 @@ class Admission:
         self.slo = slo
         self.inflight: dict[str, Inflight] = {}
         self._grammars: Grammars | None = None
+        self.default_policy = KeyPolicy(cfg.min_priority, cfg.max_inflight_per_key)
+        self.policies = key_policies(cfg)  # owner -> its key's own policy
+        self.per_owner: Counter[str] = Counter()  # sequences in flight per owner (an API key's digest)
 
     # -- the in-flight table --------------------------------------------------------------------------
     def count(self) -> int:
         return len(self.inflight)
+
+    def policy(self, owner: str) -> KeyPolicy:
+        """What the key behind `owner` may do (its own options, else the router's defaults)."""
+        return self.policies.get(owner, self.default_policy)
 
     def get(self, request_id: str) -> Inflight | None:
         return self.inflight.get(request_id)
@@ -83,10 +113,16 @@ class Admission:
     def add(self, handle: Inflight) -> None:
         """Count a handle made elsewhere as in flight (a sibling sequence: router.sequences)."""
         self.inflight[handle.request_id] = handle
+        self.per_owner[handle.owner] += 1
 
     def forget(self, request_id: str) -> None:
         """Free a request's id and slot (once nothing it holds is left to release)."""
-        del self.inflight[request_id]
+        handle = self.inflight.pop(request_id)
+        left = self.per_owner[handle.owner] - 1
+        if left > 0:
+            self.per_owner[handle.owner] = left
+        else:
+            del self.per_owner[handle.owner]
 
     def withdraw(self, handle: Inflight) -> None:
         """Forget an admitted request that was never run (nothing was sent to a worker)."""
@@ -94,14 +130,19 @@ class Admission:
         self.forget(handle.request_id)
 
     # -- admitting ------------------------------------------------------------------------------------
-    def reserve(self, request: generate_pb2.GenerateRequest, check_prompt: bool = True) -> str:
+    def reserve(
+        self, request: generate_pb2.GenerateRequest, check_prompt: bool = True, owner: str = ""
+    ) -> str:
         """The cheap checks, in order of cost: ready, limits (`check_prompt`: not for a resume, whose
-        prompt is ignored), a free slot, a new id. Nothing is tokenized or copied before they pass."""
+        prompt is ignored), the API key's own (`owner`: its priority floor, its share of the slots), a
+        free slot, a new id. Nothing is tokenized or copied before they pass."""
         model = self.directory.model
         if model is None or not self.directory.ready:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "no prefill/decode workers are ready yet")
         if check_prompt:
             check_limits(request, model.max_model_len)
+        if owner:
+            self.check_key(request, owner, check_prompt)
         if len(self.inflight) >= self.cfg.max_inflight:
             raise RequestRejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -116,6 +157,28 @@ class Admission:
             )
         return request_id
 
+    def check_key(self, request: generate_pb2.GenerateRequest, owner: str, new: bool) -> None:
+        """A keyed request within its key's policy: a priority no lower than its floor (400), and its
+        sequences (n) within the key's share of the slots (RESOURCE_EXHAUSTED with a retry hint).
+        `new`: not a resume (which asks for no priority and holds one sequence already running)."""
+        policy = self.policy(owner)
+        if new and request.priority < policy.min_priority:
+            raise InvalidRequestError(
+                f"priority: at least {policy.min_priority} for this API key (lower is more urgent, and "
+                f"may preempt others), got {request.priority}"
+            )
+        if policy.max_inflight <= 0:
+            return
+        seqs = max(1, request.sampling.n) if new else 1
+        held = self.per_owner[owner]
+        if held + seqs > policy.max_inflight:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key has {held} sequences in flight and asks for {seqs} more (at most "
+                f"{policy.max_inflight} per key); retry in {FULL_RETRY_AFTER_S:g} s",
+                retry_after_s=FULL_RETRY_AFTER_S,
+            )
+
     def enter(
         self,
         request: generate_pb2.GenerateRequest,
@@ -128,7 +191,7 @@ class Admission:
         --request-timeout-s). A refusal is counted in the metrics and raised."""
         t0 = time.perf_counter()
         try:
-            request_id = self.reserve(request, check_prompt)
+            request_id = self.reserve(request, check_prompt, owner)
         except (InvalidRequestError, RequestRejected) as err:
             self.metrics.rejected(api, error_code(err).name)
             raise
@@ -136,6 +199,7 @@ class Admission:
         handle = self.inflight[request_id] = Inflight(
             request_id, time.monotonic() + timeout, t0, owner=owner, api=api
         )
+        self.per_owner[owner] += 1
         return handle
 
     async def admit(

@@ -80,7 +80,8 @@ class RouterConfig:
         repr=False,
         metadata=meta(
             f"a bearer key clients must send (repeatable; also ${API_KEY_ENV}, comma-separated, which keeps "
-            "the keys out of ps); none: the API is open",
+            "the keys out of ps); none: the API is open. KEY:min_priority=N:max_inflight=N gives that key "
+            "its own priority floor and sequences in flight",
             flag="api-key",
             metavar="KEY",
             secret=True,
@@ -141,6 +142,20 @@ class RouterConfig:
         ),
     )
 
+    max_inflight_per_key: int = field(
+        default=0,
+        metadata=meta(
+            "sequences in flight at most per API key (each of a request's n counts; 0: only "
+            "--max-inflight): no key takes every slot"
+        ),
+    )
+    min_priority: int = field(
+        default=0,
+        metadata=meta(
+            "the lowest (most urgent) priority a request with an API key may ask for (lower: 400), so no "
+            "key preempts the others unless its own min_priority allows it; requests without a key: any"
+        ),
+    )
     prefix_cache_scope: str = field(
         default="key",
         metadata=meta(

@@ -38,7 +38,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.auth import Credentials, cluster_secret, may_act_for, owner_of, server_interceptors
+from kvferry.auth import (
+    Credentials,
+    cluster_secret,
+    may_act_for,
+    owner_of,
+    server_interceptors,
+    split_key_spec,
+)
 from kvferry.convert import logprob_from_proto
 from kvferry.engine.output import OutputState
 from kvferry.engine.request import InvalidRequestError, Request
@@ -475,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = config_from(args, RouterConfig, api_keys=(*(args.api_key or ()), *load_settings().api_keys))
+    for spec in cfg.api_keys:
+        try:
+            split_key_spec(spec)
+        except ValueError as err:
+            p.error(f"--api-key: {err}")
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -334,3 +334,69 @@ def test_each_api_key_has_its_own_prefix_cache_unless_the_cluster_shares_it(clus
             assert (other >= 16) if shared else (other == 0), (scope, other)
         finally:
             router.stop()
+
+
+def test_a_key_keeps_to_its_priority_floor_and_its_share_of_the_slots(cluster, tmp_path):
+    """--min-priority (0) and --max-inflight-per-key (here 2): a key cannot jump the queue nor take
+    every slot (n counts each sequence); another key given its own options (`KEY:opt=N:...`) may."""
+    vip = "vip-key"
+    flags = ("--api-key", KEY, "--api-key", f"{vip}:min_priority=-10:max_inflight=8")
+    router = ExtraRouter(cluster, tmp_path / "router.log", *flags, "--max-inflight-per-key", "2")
+    held = []
+    try:
+        wait_for(lambda: cached_tokens(router, KEY, [5, 6, 7, 8]) >= 0, 90, "the router")
+        with Client(router.addr, api_key=KEY) as plain, Client(router.addr, api_key=vip) as favoured:
+            with pytest.raises(grpc.RpcError) as err:
+                plain.generate(prioritized(-1), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "priority: at least 0 for this API key" in err.value.details()
+            assert favoured.generate(prioritized(-5), timeout=30).finished.output_tokens == 3
+            three = build_request(prompt_token_ids=[5, 6, 7], max_tokens=3, temperature=1.0, n=3)
+            with pytest.raises(grpc.RpcError) as err:  # three sequences at once: over the key's two
+                plain.generate(three, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 2 per key" in err.value.details()
+            trailer = dict(err.value.trailing_metadata() or ())
+            assert float(trailer["retry-after-ms"]) >= 1000
+            # two long streams hold the key's share; a third waits its turn, the other key does not
+            long = dict(prompt_token_ids=[9, 10, 11], max_tokens=900, ignore_eos=True, temperature=0.0)
+            for _ in range(2):
+                stream = plain.stream(build_request(**long), timeout=120)
+                next(stream)
+                held.append(stream)
+            with pytest.raises(grpc.RpcError) as err:
+                plain.generate(short(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert favoured.generate(short(), timeout=30).finished.output_tokens == 3
+            # over HTTP: a 429 with Retry-After and the reason
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{router.http_port}/v1/completions",
+                data=json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(request, timeout=30)
+            assert http_err.value.code == 429 and http_err.value.headers["Retry-After"] == "1"
+            assert "at most 2 per key" in json.load(http_err.value)["error"]["message"]
+            for stream in held:
+                stream.cancel()
+            held.clear()
+            wait_for(lambda: plain_served(plain), 30, "the key's slots freed")
+    finally:
+        for stream in held:
+            stream.cancel()
+        router.stop()
+
+
+def prioritized(priority: int):
+    request = short()
+    request.priority = priority
+    return request
+
+
+def plain_served(client: Client) -> bool:
+    try:
+        return client.generate(short(), timeout=30).finished.output_tokens == 3
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        return False

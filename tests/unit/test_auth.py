@@ -105,3 +105,32 @@ def test_credentials_check_without_requirements_accepts_anything():
     assert auth.Credentials(api_keys=["k"]).check([("authorization", "Bearer k")]) is None
     assert auth.Credentials(api_keys=["k"]).check([("authorization", "Bearer kk")]) is not None
     assert auth.Credentials(secret="s").check([]) is not None
+
+
+def test_an_api_key_spec_gives_the_key_and_its_options():
+    assert auth.split_key_spec("sk-1") == ("sk-1", {})
+    assert auth.split_key_spec("sk-1:min_priority=-5:max_inflight=8") == (
+        "sk-1",
+        {"min_priority": -5, "max_inflight": 8},
+    )
+    for bad, words in (
+        ("sk-1:burst=3", "expected one of min_priority, max_inflight"),
+        ("sk-1:max_inflight=many", "not an integer"),
+        (":max_inflight=2", "without a key"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            auth.split_key_spec(bad)
+    # what clients send is the key alone, and it is what the server checks
+    creds = auth.Credentials(None, ["sk-1:max_inflight=8", "sk-2"])
+    assert creds.key_ok("sk-1") and creds.key_ok("sk-2") and not creds.key_ok("sk-1:max_inflight=8")
+
+
+def test_key_policies_and_salts():
+    from kvferry.router.admission import KeyPolicy, key_policies, tenant_salt
+    from kvferry.router.config import RouterConfig
+
+    cfg = RouterConfig(api_keys=("a", "b:min_priority=-3"), min_priority=1, max_inflight_per_key=4)
+    assert key_policies(cfg) == {auth.owner_of_key("b"): KeyPolicy(min_priority=-3, max_inflight=4)}
+    assert tenant_salt("s", "", "key") == "s"  # no key: as it is
+    assert tenant_salt("s", "o1", "key") != tenant_salt("s", "o2", "key") != "s"
+    assert tenant_salt("s", "o1", "cluster") == "s"
