@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvferry.auth import owner_of_key, split_key_spec
+from kvferry.auth import owner_of_key, scoped_id, split_key_spec
 from kvferry.convert import sampling_from_proto
 from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
@@ -150,10 +150,11 @@ class Admission:
                 f"retry in {FULL_RETRY_AFTER_S:g} s",
                 retry_after_s=FULL_RETRY_AFTER_S,
             )
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        # scoped by the client's API key: no key can take an id another uses, or learn that it is in use
+        request_id = scoped_id(owner, request.request_id or f"req-{uuid.uuid4().hex}")
         if request_id in self.inflight:
             raise RequestRejected(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight"
             )
         return request_id
 

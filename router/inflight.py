@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvferry.auth import unscoped_id
 from kvferry.engine.request import SamplingParams
 from kvferry.v1 import worker_pb2
 
@@ -55,6 +56,11 @@ class Inflight:
     def remaining(self) -> float:
         """Seconds left until the deadline (for worker calls)."""
         return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def client_id(self) -> str:
+        """The id its client knows it by (`request_id` is the cluster's: kvferry.auth.scoped_id)."""
+        return unscoped_id(self.owner, self.request_id)
 
 
 class RequestRejected(Exception):

@@ -12,6 +12,9 @@ from kvferry.engine.request import InvalidRequestError
 from kvferry.v1 import generate_pb2
 
 MAX_REQUEST_ID_CHARS = 256
+# and bytes: the cluster's id adds a key's tag and a sibling's suffix, and the pool's data plane carries
+# at most 1024 (kvpool.dataplane.MAX_REQUEST_ID)
+MAX_REQUEST_ID_BYTES = 960
 MAX_STOP_STRINGS = 16  # as vLLM's OpenAI server documents for `stop`
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128
@@ -33,6 +36,8 @@ def check_limits(request: generate_pb2.GenerateRequest, max_model_len: int) -> N
         raise InvalidRequestError(
             f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}"
         )
+    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8")
     which = request.WhichOneof("prompt")
     if which == "text" and len(request.text) > max_prompt_chars(max_model_len):
         raise InvalidRequestError(

@@ -425,7 +425,7 @@ class OpenAIServing:
             ]
         fanout = Fanout(self.router, handles, k)
         if body.stream:
-            ids = handles[0].request_id if resumable else None
+            ids = handles[0].client_id if resumable else None
             events = sse(fanout, shape, len(reqs) * k, body.include_usage, prompt_field, ids)
             # the background task runs however the response ends: a stream that never started
             # (the client left at once) still cancels its requests

@@ -53,6 +53,7 @@ class Relay:
     timings: dict
     cached: tuple[int, int]  # (prefix-cache hit tokens, of which pulled from the pool)
     t0: float
+    client_id: str = ""  # the id the client knows (else req.request_id: kvferry.auth.scoped_id)
 
     def final(self, reason: str | None = None) -> generate_pb2.GenerateResponse:
         """The request's last message: what output is left, and `Finished` (`reason` "abort": aborted;
@@ -63,7 +64,7 @@ class Relay:
         out = self.state.emit()
         timings = dict(self.timings)
         timings["e2e_ms"] = (time.perf_counter() - self.t0) * 1e3
-        message = response(req.request_id, out)
+        message = response(self.client_id or req.request_id, out)
         message.finished.CopyFrom(
             generate_pb2.Finished(
                 finish_reason=req.status.finish_reason or "abort",
@@ -258,7 +259,7 @@ class DecodeRelay:
                     return
                 out = state.emit()
                 if out.new_token_ids:
-                    yield response(handle.request_id, out)
+                    yield response(handle.client_id, out)
         except grpc.aio.AioRpcError as err:
             raise self.failover.failed(worker, "decode", err) from None
         finally:

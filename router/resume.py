@@ -210,7 +210,7 @@ class Resumes:
         )
         req, state = replay.req, replay.state
         handle.ids, handle.params, handle.priority = req.prompt_token_ids, req.params, replay.first.priority
-        relay = Relay(req, state, {}, replay.cached, handle.t0)
+        relay = Relay(req, state, {}, replay.cached, handle.t0, handle.client_id)
         try:
             status = req.status if req.status.is_finished else None
             for token, logprob in replay.pending:
@@ -228,7 +228,7 @@ class Resumes:
                 return
             out = state.emit()
             if out.new_token_ids:
-                yield response(handle.request_id, out)
+                yield response(handle.client_id, out)
         except BaseException:
             call.cancel()
             raise

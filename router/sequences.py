@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvferry.auth import unscoped_id
 from kvferry.convert import sampling_to_proto
 from kvferry.router.inflight import Inflight, RequestRejected
 from kvferry.v1 import generate_pb2, worker_pb2
@@ -118,7 +119,8 @@ class Sequences:
         rid = f"{handle.request_id}-{index}"
         if self.admission.holds(rid):
             raise RequestRejected(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} (sequence {index}) is already in flight"
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {unscoped_id(handle.owner, rid)!r} (sequence {index}) is already in flight",
             )
         seed = handle.params.seed
         params = replace(handle.params, n=1, seed=None if seed is None else (seed + index) % 2**64)

@@ -43,6 +43,7 @@ from kvferry.auth import (
     cluster_secret,
     may_act_for,
     owner_of,
+    scoped_id,
     server_interceptors,
     split_key_spec,
 )
@@ -234,7 +235,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
         if handle.prompt_keys is None:  # (made at admission, except colocated and a request's siblings)
             await self.admission.look_up(handle, handle.cache_salt)
         cached = len(handle.pooled) * model.block_size
-        relay = Relay(req, state, {}, (cached, cached), handle.t0)
+        relay = Relay(req, state, {}, (cached, cached), handle.t0, handle.client_id)
         if handle.aborted:
             yield relay.final("abort")
             return
@@ -260,7 +261,7 @@ class Router(generate_pb2_grpc.GenerationServicer):
             handle.release_pool = True  # no decode will pull the private tail: release it
             yield relay.final()
             return
-        yield response(handle.request_id, state.emit())
+        yield response(handle.client_id, state.emit())
         if handle.aborted:  # Abort() came while the first token was on its way
             yield relay.final("abort")
             return
@@ -316,10 +317,11 @@ class Router(generate_pb2_grpc.GenerationServicer):
     async def Abort(self, request, context):
         await _none_longer(context, request.request_id, self.metrics)
         owner = owner_of(context.invocation_metadata())
-        handle = self.admission.get(request.request_id)
+        rid = scoped_id(owner, request.request_id)  # (as Generate named it: another key's is another)
+        handle = self.admission.get(rid)
         if handle is not None and not may_act_for(owner, handle.owner):
             handle = None  # another key's request: as if it were not here (nothing to learn from it)
-        elif handle is None and await self.releases.abort_elsewhere(request.request_id, owner):
+        elif handle is None and await self.releases.abort_elsewhere(rid, owner):
             return generate_pb2.AbortResponse()  # admitted by another router of the fleet
         if handle is None:
             await _not_in_flight(context, request.request_id, self.metrics)
@@ -330,9 +332,10 @@ class Router(generate_pb2_grpc.GenerationServicer):
     async def GetRequestStatus(self, request, context):
         await _none_longer(context, request.request_id, self.metrics)
         owner = owner_of(context.invocation_metadata())
-        status = await self.statuses.status(request.request_id, owner)
+        status = await self.statuses.status(scoped_id(owner, request.request_id), owner)
         if status is None:
             await _not_in_flight(context, request.request_id, self.metrics)
+        status.request_id = request.request_id  # (the id the caller knows, not the cluster's)
         return status
 
     async def GetModelInfo(self, request, context):

@@ -400,3 +400,35 @@ def plain_served(client: Client) -> bool:
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
         return False
+
+
+def test_request_ids_belong_to_their_key(cluster, tmp_path):
+    """Two keys may use the same request id at once (ids are scoped by key inside the cluster): neither
+    can take the other's id, learn that it is in use, abort it or look it up; each sees its own id."""
+    router = ExtraRouter(cluster, tmp_path / "router.log", "--api-key", KEY, "--api-key", "b-key")
+    try:
+        wait_for(lambda: cached_tokens(router, KEY, [5, 6, 7, 8]) >= 0, 90, "the router")
+        with Client(router.addr, api_key=KEY) as a, Client(router.addr, api_key="b-key") as b:
+            long = dict(prompt_token_ids=[9, 10, 11], max_tokens=900, ignore_eos=True, temperature=0.0)
+            stream = a.stream(build_request(**long, request_id="shared-id"), timeout=120)
+            assert next(stream).request_id == "shared-id"  # A's stream is in flight under its own id
+            try:
+                mine = short(request_id="shared-id")
+                out = b.generate(mine, timeout=60)  # B takes the same id meanwhile: no ALREADY_EXISTS
+                assert out.request_id == "shared-id" and out.finished.output_tokens == 3
+                for call in (b.abort, b.status):  # nor does B reach A's request by its id
+                    with pytest.raises(grpc.RpcError) as err:
+                        call("shared-id")
+                    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                status = a.status("shared-id")  # A does, under the id it knows
+                assert status.request_id == "shared-id" and status.state in ("decoding", "finished")
+                with pytest.raises(grpc.RpcError) as err:  # A's own id, in use: A is told
+                    a.generate(short(request_id="shared-id"), timeout=30)
+                assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                assert "'shared-id'" in err.value.details() and "/" not in err.value.details()
+                a.abort("shared-id")  # and A aborts its own
+                assert list(stream)[-1].finished.finish_reason == "abort"
+            finally:
+                stream.cancel()
+    finally:
+        router.stop()
