@@ -142,27 +142,18 @@ def measure_floor(args, step_s: float, work: Path) -> tuple[float, float, float]
     least a router of kvferry's design does: a Prefill call, then one Relay link's batches)."""
     script = [sys.executable, str(Path(__file__).resolve().parent / "grpc_floor.py")]
     tokens, step = str(args.output_len), str(step_s)
-    up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    relay = serve_load(
-        args,
-        [[*script, "upstream", str(up), tokens, step], [*script, "relay", str(port), str(up), "auto"]],
-        port,
-        work,
-        "floor: relay",
-    )
+
+    def behind(upstream: str, front: str) -> float:  # `front` serves the load, `upstream` feeds it
+        up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
+        cmds = [[*script, upstream, str(up), tokens, step], [*script, front, str(port), str(up), "auto"]]
+        return serve_load(args, cmds, port, work, f"floor: {front}")
+
+    relay = behind("upstream", "relay")
     port = free_port("127.0.0.1")
     alone = serve_load(
         args, [[*script, "source", str(port), tokens, step, "auto"]], port, work, "floor: serve"
     )
-    up, port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    split = serve_load(
-        args,
-        [[*script, "workers", str(up), tokens, step], [*script, "split", str(port), str(up), "auto"]],
-        port,
-        work,
-        "floor: split",
-    )
-    return relay, alone, split
+    return relay, alone, behind("workers", "split")
 
 
 def main() -> None:
