@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 import kvferry.rpc as rpc
+from kvferry.auth import bare_keys
 from kvferry.deploy.fault_harness import (
     PROMPT_LENS,
     FaultCluster,
@@ -415,7 +416,7 @@ def unauthenticated(ctx: Context) -> ScenarioResult:
             r.add([Outcome("failed", code, detail=f"{method} on {addr}")])
             r.expect(code == "UNAUTHENTICATED", f"{method} on {addr} with {metadata or 'nothing'}: {code}")
     if fc.api_keys:
-        key_md = (("authorization", f"Bearer {fc.api_keys[0]}"),)
+        key_md = (("authorization", f"Bearer {bare_keys(fc.api_keys)[0]}"),)
         code = _call(
             fc.router_addr,
             "/kvferry.v1.Generation/GetModelInfo",

@@ -33,6 +33,7 @@ import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 
+from kvferry.auth import bare_keys  # noqa: E402
 from kvferry.loadtest.arrivals import ArrivalSchedule, arrival_offsets  # noqa: E402
 from kvferry.loadtest.metrics import RequestRecord  # noqa: E402
 from kvferry.loadtest.prompts import PromptSource  # noqa: E402
@@ -43,7 +44,7 @@ from kvferry.settings import API_KEY_ENV  # noqa: E402
 def api_key() -> str | None:
     """The key requests carry: the first of $KVFERRY_API_KEY (`kvferry loadtest sweep --api-key` puts
     it there), None for none."""
-    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    keys = bare_keys(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
     return keys[0] if keys else None
 
 

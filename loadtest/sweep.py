@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvferry.auth import bare_keys
 from kvferry.loadtest.metrics import RateSummary, Slo, goodput, read_records, span_s, summarize
 from kvferry.settings import API_KEY_ENV
 
@@ -73,7 +74,7 @@ def api_key_of(args) -> str | None:
     """--api-key, else the first key of the environment's (as `kvferry up` reads its own)."""
     if args.api_key:
         return args.api_key
-    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    keys = bare_keys(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
     return keys[0] if keys else None
 
 

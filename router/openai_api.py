@@ -35,8 +35,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.auth import owner_of
 from kvferry.engine.request import InvalidRequestError
-from kvferry.engine.structured import StructuredOutputError
+from kvferry.engine.structured import CompilerBusy, StructuredOutputError, compile_off_loop
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
+from kvferry.router.admission import COMPILE_RETRY_AFTER_S
 from kvferry.router.inflight import Inflight, RequestRejected
 from kvferry.router.limits import max_prompt_chars
 from kvferry.router.metrics import CONTENT_TYPE
@@ -165,17 +166,29 @@ class Gate:
 
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def unencodable(body: bytes) -> str | None:
     """Where a JSON body holds a string that no UTF-8 text can carry (a lone surrogate, which only a
     \\u escape can write): its field path, e.g. 'messages[0].content'; None for none (the usual
-    case costs one scan of the bytes), or a body that is not JSON (the app answers that)."""
-    if SURROGATE_ESCAPE.search(body) is None:
-        return None
+    case, UTF-8, costs one scan of the bytes), or a body that is not JSON (the app answers that). A
+    UTF-16 or UTF-32 body (JSON may come so) is decoded first."""
+    encoding = json.detect_encoding(body)
+    if encoding == "utf-8":
+        if SURROGATE_ESCAPE.search(body) is None:
+            return None
+        text = body
+    else:
+        try:
+            text = body.decode(encoding)
+        except UnicodeDecodeError:
+            return None
+        if SURROGATE_ESCAPE_TEXT.search(text) is None:
+            return None
     try:
-        data = json.loads(body)
-    except ValueError:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # (too deep: the app's own parser answers 400)
         return None
     todo = [(data, "")]
     while todo:
@@ -252,10 +265,12 @@ class OpenAIServing:
         if spec is None or self.router.directory.model is None:  # (not ready: admission answers 503)
             return
         field, kind, value = spec
-        try:
-            await asyncio.to_thread(self.router.admission.grammars().check, kind, value)
+        try:  # (the compile pool's, bounded: as admission's)
+            await compile_off_loop(self.router.admission.grammars(), kind, value)
         except StructuredOutputError as err:
             raise ApiError(400, f"{field}: {err}", field) from None
+        except CompilerBusy as err:
+            raise ApiError(429, str(err), retry_after_s=COMPILE_RETRY_AFTER_S) from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:

@@ -124,7 +124,9 @@ class Sequences:
             )
         seed = handle.params.seed
         params = replace(handle.params, n=1, seed=None if seed is None else (seed + index) % 2**64)
-        sibling = Inflight(rid, handle.deadline, handle.t0, list(handle.ids), params)
+        sibling = Inflight(
+            rid, handle.deadline, handle.t0, list(handle.ids), params, owner=handle.owner, api=handle.api
+        )
         sibling.track = self.metrics.track(handle.track.api, handle.t0)
         sibling.cache_salt, sibling.shared, sibling.index = handle.cache_salt, shared, index
         sibling.priority = handle.priority

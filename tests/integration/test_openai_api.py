@@ -210,12 +210,13 @@ def test_every_error_is_counted_and_the_connection_stays_usable(cluster):
             (b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400),  # refused by the gate
             (b'{"prompt": "x", "max_tokens": "many"}', 400),  # by the body's validation
             (b'{"model": "gpt-4", "prompt": "x"}', 404),  # by the route
+            ('{"prompt": "a\\udfffb"}'.encode("utf-16"), 400),  # (JSON may come as UTF-16)
             (b'{"prompt": "x", "max_tokens": 2}', 200),  # and the same connection still serves
         ):
             head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             status, reply = raw_request(sock, f"{head}Content-Length: {len(body)}\r\n\r\n", body)
             assert status == want, reply
-    assert metric(cluster, errors, api="http", code="400") == before["400"] + 2
+    assert metric(cluster, errors, api="http", code="400") == before["400"] + 3
     assert metric(cluster, errors, api="http", code="404") == before["404"] + 1
     code, _ = post(url, {"prompt": "x", "max_tokens": 2})
     assert code == 200

@@ -297,7 +297,8 @@ def test_loadtest_sweep_carries_the_key_and_a_refusal_stops_it_at_once(cluster, 
         with pytest.raises(SystemExit) as err:  # a gRPC target alone: the same, with gRPC's status
             main(["loadtest", "sweep", "--target", router.addr, *argv[4:]])
         assert "refused the load test (UNAUTHENTICATED)" in str(err.value)
-        monkeypatch.setenv("KVFERRY_API_KEY", f"{KEY},another")  # the first key of the environment's
+        # the first key of the environment's (its options, the router's business, are not sent)
+        monkeypatch.setenv("KVFERRY_API_KEY", f"{KEY}:max_inflight=64,another")
         assert main(argv) == 0
         for label in ("http", "grpc"):
             records = read_records(out / label / "rate-2.jsonl")
@@ -358,12 +359,13 @@ def test_a_key_keeps_to_its_priority_floor_and_its_share_of_the_slots(cluster, t
             assert "at most 2 per key" in err.value.details()
             trailer = dict(err.value.trailing_metadata() or ())
             assert float(trailer["retry-after-ms"]) >= 1000
-            # two long streams hold the key's share; a third waits its turn, the other key does not
-            long = dict(prompt_token_ids=[9, 10, 11], max_tokens=900, ignore_eos=True, temperature=0.0)
-            for _ in range(2):
-                stream = plain.stream(build_request(**long), timeout=120)
-                next(stream)
-                held.append(stream)
+            # a long stream of two sequences holds the key's share (each sequence counts); the next
+            # request waits its turn, the other key's does not
+            long = dict(prompt_token_ids=[9, 10, 11], max_tokens=900, ignore_eos=True, temperature=1.0)
+            stream = plain.stream(build_request(**long, n=2, request_id="pair"), timeout=120)
+            first = next(stream)
+            assert first.request_id == "pair"  # (the client's id, not the cluster's)
+            held.append(stream)
             with pytest.raises(grpc.RpcError) as err:
                 plain.generate(short(), timeout=30)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
