@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import grpc
 
 import kvferry.rpc as rpc
-from kvferry.auth import bare_keys
 from kvferry.deploy.fault_harness import (
     PROMPT_LENS,
     FaultCluster,
@@ -29,6 +28,7 @@ from kvferry.deploy.fault_harness import (
     ScenarioResult,
     wait_for,
 )
+from kvferry.settings import bare_keys
 from kvferry.v1 import generate_pb2, generate_pb2_grpc
 
 FAULT_REQUESTS = 32

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvferry.settings import bare_keys
+
 SECRET_ENV = "KVFERRY_CLUSTER_SECRET"
 SECRET_HEADER = "x-kvferry-secret"
 OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
@@ -167,11 +169,6 @@ def split_key_spec(spec: str) -> tuple[str, dict[str, int]]:
     if not key:
         raise ValueError("an API key spec without a key")
     return key, out
-
-
-def bare_keys(specs: Iterable[str]) -> list[str]:
-    """The keys of API key specs (what clients send), options left off."""
-    return [spec.split(":", 1)[0] for spec in specs if spec]
 
 
 def may_act_for(caller: str, owner: str) -> bool:

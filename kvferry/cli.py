@@ -254,11 +254,10 @@ def _client_auth_args(p: argparse.ArgumentParser) -> None:
 
 def _router_client(target: str, api_key: str | None, ca_certs: Path | None):
     """A router client that sends `api_key` (else the environment's) and trusts `ca_certs` (TLS)."""
-    from kvferry.auth import bare_keys
     from kvferry.router.client import Client
     from kvferry.settings import load_settings
 
-    key = api_key or next(iter(bare_keys(load_settings().api_keys)), None)
+    key = api_key or load_settings().client_key
     auth = {"api_key": key} if key else {}
     if ca_certs is not None:
         auth["root_certificates"] = ca_certs.read_bytes()
@@ -442,7 +441,7 @@ def _prompt_once(args, addr: str, cfg) -> int:
         False,
         None,
     )
-    from kvferry.auth import bare_keys
+    from kvferry.settings import bare_keys
 
     args.api_key = next(iter(bare_keys(cfg.router.api_keys)), None)
     args.ssl_ca_certs = Path(cfg.router.ssl_certfile) if cfg.router.ssl_certfile else None

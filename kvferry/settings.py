@@ -9,6 +9,12 @@ from pathlib import Path
 API_KEY_ENV = "KVFERRY_API_KEY"  # the router's API keys, comma-separated (`kvferry up` hands them on so)
 
 
+def bare_keys(specs) -> list[str]:
+    """The keys of API key specs (`KEY` or `KEY:option=value:...`, kvferry.auth.split_key_spec): what
+    clients send, options left off."""
+    return [spec.split(":", 1)[0] for spec in specs if spec]
+
+
 @dataclass(frozen=True)
 class Settings:
     cache_dir: Path
@@ -18,6 +24,11 @@ class Settings:
     @property
     def models_dir(self) -> Path:
         return self.cache_dir / "models"
+
+    @property
+    def client_key(self) -> str | None:
+        """The key a client of this environment sends: the first of KVFERRY_API_KEY, options left off."""
+        return next(iter(bare_keys(self.api_keys)), None)
 
 
 def load_settings() -> Settings:

@@ -24,7 +24,6 @@ from grpc.experimental import gevent as grpc_gevent
 grpc_gevent.init_gevent()  # before any channel: gRPC's I/O must yield to gevent
 
 import json  # noqa: E402
-import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
@@ -33,19 +32,17 @@ import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 
-from kvferry.auth import bare_keys  # noqa: E402
 from kvferry.loadtest.arrivals import ArrivalSchedule, arrival_offsets  # noqa: E402
 from kvferry.loadtest.metrics import RequestRecord  # noqa: E402
 from kvferry.loadtest.prompts import PromptSource  # noqa: E402
 from kvferry.router.client import Client, build_request  # noqa: E402
-from kvferry.settings import API_KEY_ENV  # noqa: E402
+from kvferry.settings import load_settings  # noqa: E402
 
 
 def api_key() -> str | None:
     """The key requests carry: the first of $KVFERRY_API_KEY (`kvferry loadtest sweep --api-key` puts
     it there), None for none."""
-    keys = bare_keys(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
-    return keys[0] if keys else None
+    return load_settings().client_key
 
 
 def auth_headers() -> dict[str, str]:

@@ -28,9 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvferry.auth import bare_keys
 from kvferry.loadtest.metrics import RateSummary, Slo, goodput, read_records, span_s, summarize
-from kvferry.settings import API_KEY_ENV
+from kvferry.settings import API_KEY_ENV, load_settings
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -72,10 +71,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
 
 def api_key_of(args) -> str | None:
     """--api-key, else the first key of the environment's (as `kvferry up` reads its own)."""
-    if args.api_key:
-        return args.api_key
-    keys = bare_keys(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
-    return keys[0] if keys else None
+    return args.api_key or load_settings().client_key
 
 
 def probe(target: str, api_key: str | None) -> None:
