@@ -135,17 +135,21 @@ def owner_of_key(key: str) -> str:
     return hashlib.sha256(b"kvferry-owner\0" + key.encode()).hexdigest()[:32]
 
 
+def _id_tag(owner: str) -> str:
+    """What a keyed request's id goes under inside the cluster ("" without a key)."""
+    return f"k{owner[:12]}/" if owner else ""
+
+
 def scoped_id(owner: str, request_id: str) -> str:
     """The id a request goes by inside the cluster (the routers' tables, the workers): a keyed client's
     own id under its key's tag, so two keys' ids never meet (none can take, or learn of, another's); a
     request without a key keeps its id. Every router scopes alike: any of them finds it."""
-    return f"k{owner[:12]}/{request_id}" if owner else request_id
+    return _id_tag(owner) + request_id
 
 
 def unscoped_id(owner: str, request_id: str) -> str:
     """The id the client knows of a `scoped_id` (a sibling's `-i` suffix kept)."""
-    tag = f"k{owner[:12]}/" if owner else ""
-    return request_id[len(tag) :] if tag and request_id.startswith(tag) else request_id
+    return request_id.removeprefix(_id_tag(owner))
 
 
 # what `--api-key KEY:option=value:...` may set for one key (router.admission.KeyPolicy)

@@ -269,14 +269,21 @@ class Admission:
         if params.structured is not None:  # compiled here (cached) to refuse a bad one before any work
             kind, value = params.structured
             try:
-                await compile_off_loop(self.grammars(), kind, value)
+                await self.compile(kind, value)
             except StructuredOutputError as err:
                 raise InvalidRequestError(f"sampling.structured.{kind}: {err}") from None
-            except CompilerBusy as err:
-                raise RequestRejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), retry_after_s=COMPILE_RETRY_AFTER_S
-                ) from None
         return ids, params
+
+    async def compile(self, kind: str, value: str) -> None:
+        """Compile a constraint in the bounded compile pool (cached): StructuredOutputError for one the
+        library refuses (the caller names its field), RequestRejected (RESOURCE_EXHAUSTED, a retry hint)
+        while the pool's queue is full."""
+        try:
+            await compile_off_loop(self.grammars(), kind, value)
+        except CompilerBusy as err:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), retry_after_s=COMPILE_RETRY_AFTER_S
+            ) from None
 
     def grammars(self) -> Grammars:
         """The structured-output compiler of the served model's tokenizer (made on first use)."""

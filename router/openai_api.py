@@ -35,9 +35,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.auth import owner_of
 from kvferry.engine.request import InvalidRequestError
-from kvferry.engine.structured import CompilerBusy, StructuredOutputError, compile_off_loop
+from kvferry.engine.structured import StructuredOutputError
 from kvferry.model.chat_template import ChatTemplate, ChatTemplateError
-from kvferry.router.admission import COMPILE_RETRY_AFTER_S
 from kvferry.router.inflight import Inflight, RequestRejected
 from kvferry.router.limits import max_prompt_chars
 from kvferry.router.metrics import CONTENT_TYPE
@@ -265,12 +264,12 @@ class OpenAIServing:
         if spec is None or self.router.directory.model is None:  # (not ready: admission answers 503)
             return
         field, kind, value = spec
-        try:  # (the compile pool's, bounded: as admission's)
-            await compile_off_loop(self.router.admission.grammars(), kind, value)
+        try:
+            await self.router.admission.compile(kind, value)
         except StructuredOutputError as err:
             raise ApiError(400, f"{field}: {err}", field) from None
-        except CompilerBusy as err:
-            raise ApiError(429, str(err), retry_after_s=COMPILE_RETRY_AFTER_S) from None
+        except RequestRejected as err:
+            raise ApiError.of(err) from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:

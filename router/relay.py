@@ -53,7 +53,7 @@ class Relay:
     timings: dict
     cached: tuple[int, int]  # (prefix-cache hit tokens, of which pulled from the pool)
     t0: float
-    client_id: str = ""  # the id the client knows (else req.request_id: kvferry.auth.scoped_id)
+    client_id: str  # the id the client knows (req.request_id is the cluster's: kvferry.auth.scoped_id)
 
     def final(self, reason: str | None = None) -> generate_pb2.GenerateResponse:
         """The request's last message: what output is left, and `Finished` (`reason` "abort": aborted;
@@ -64,7 +64,7 @@ class Relay:
         out = self.state.emit()
         timings = dict(self.timings)
         timings["e2e_ms"] = (time.perf_counter() - self.t0) * 1e3
-        message = response(self.client_id or req.request_id, out)
+        message = response(self.client_id, out)
         message.finished.CopyFrom(
             generate_pb2.Finished(
                 finish_reason=req.status.finish_reason or "abort",

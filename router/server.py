@@ -309,9 +309,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
                 else (("retry-after-ms", str(round(err.retry_after_s * 1e3))),)
             )
             await context.abort(err.code, str(err), trailing_metadata=trailer)
-        except (Exception, asyncio.CancelledError) as err:
-            if not isinstance(err, asyncio.CancelledError):  # (a client that went away is not an error)
-                self.metrics.request_error("grpc", grpc.StatusCode.UNKNOWN.name)
+        except Exception:  # (not CancelledError, a BaseException: a client that went away is no error)
+            self.metrics.request_error("grpc", grpc.StatusCode.UNKNOWN.name)
             raise
 
     async def Abort(self, request, context):

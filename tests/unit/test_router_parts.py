@@ -146,7 +146,7 @@ def test_a_stream_that_breaks_resumes_on_another_worker_without_a_token_lost():
     h = handle()
 
     async def relayed() -> list[generate_pb2.GenerateResponse]:
-        return [m async for m in relay.relay(h, first, Relay(req, state, {}, (16, 16), h.t0))]
+        return [m async for m in relay.relay(h, first, Relay(req, state, {}, (16, 16), h.t0, h.client_id))]
 
     messages = asyncio.run(relayed())
     assert [list(m.token_ids) for m in messages] == [[41], [42, 43]]
