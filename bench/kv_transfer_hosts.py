@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -31,11 +32,28 @@ from kv_transfer import measure_pool, raw_peer, raw_rank1
 
 from kvferry.kvpool.client import PoolClient, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
-from kvferry.kvpool.transfer import BlockLayout, host_store, pack_blocks
+from kvferry.kvpool.transfer import BlockLayout, pack_blocks
 
 SCRIPT = str(Path(__file__).resolve())
 REDIS_PORT = 6379  # each host has its own network namespace: any port is free there
 NODE_ID = "xfer-pool"
+
+
+def host_store(host: str, port: int, size: int | None) -> dist.TCPStore:
+    """Rank 0's TCPStore on host:port (0: any free port), listening on `host` only: torch's own
+    listener would bind every interface, so the store gets a socket bound here instead."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(host, bound, size, is_master=True, wait_for_workers=False, master_listen_fd=fd)
 
 
 def run_pool_client(args, layout: BlockLayout) -> dict:

@@ -45,6 +45,7 @@ from kvferry.deploy.cluster_ca import ClusterCA, launcher_ca
 from kvferry.deploy.config import ClusterConfig, Placement, cluster_layout
 from kvferry.deploy.planner import Autoscaler, start_autoscaler
 from kvferry.deploy.readiness import reachable, wait_until_ready
+from kvferry.deploy.redis_server import TLS_FILES as REDIS_TLS_FILES
 from kvferry.deploy.redis_server import (
     LaunchError,
     new_password,
@@ -68,7 +69,7 @@ from kvferry.worker.config import WorkerConfig
 
 # in the log dir, 0600, removed at stop; TLS_FILES: this process's leaf, for an operator's tools
 TLS_FILES = ("tls-ca.pem", "tls-cert.pem", "tls-key.pem")
-SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES)
+SECRET_FILES = ("cluster-secret", "redis-url", "redis.conf", *TLS_FILES, *REDIS_TLS_FILES)
 
 
 def shm_dir() -> str | None:
@@ -403,9 +404,10 @@ class LocalCluster:
     def _start_redis(self, host: str, deadline: float) -> str:
         port = free_port(host)
         password = new_password()
-        config = write_redis_config(self.log_dir / "redis.conf", password)
-        self._spawn("redis", redis_server_argv(host, port, config=config))
-        return wait_for_redis(host, port, deadline, self._check_alive, password=password)
+        leaf = None if self.ca is None else self.ca.issue(host)
+        config, tls = write_redis_config(self.log_dir / "redis.conf", password, leaf)
+        self._spawn("redis", redis_server_argv(host, port, config=config, tls=tls))
+        return wait_for_redis(host, port, deadline, self._check_alive, password, tls is not None)
 
     # -- restarts ---------------------------------------------------------------------------------------
     def _watch(self) -> None:

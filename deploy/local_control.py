@@ -12,7 +12,7 @@ import time
 import uuid
 
 from kvferry.deploy.local import LocalCluster
-from kvferry.kvpool.metadata import mask_url
+from kvferry.kvpool.metadata import mask_url, redis_client
 
 
 def _scale_key(namespace: str) -> str:
@@ -35,7 +35,7 @@ def request_scale(
     import redis
 
     ask = {"id": uuid.uuid4().hex, "prefill": prefill, "decode": decode, "routers": routers}
-    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    client = redis_client(redis_url, 5.0)
     key = _scale_key(namespace)
     try:
         if not client.exists(_launcher_key(namespace)):
@@ -64,7 +64,7 @@ def request_scale(
 def _serve_scale_requests(cluster: LocalCluster) -> None:
     import redis
 
-    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=2)
+    client = redis_client(cluster.redis_url)
     key = _scale_key(cluster.cfg.namespace)
     try:
         client.set(_launcher_key(cluster.cfg.namespace), str(os.getpid()), px=5000)

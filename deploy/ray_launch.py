@@ -10,8 +10,8 @@
   `<log dir>/<name>.log` on the actor's node.
 - A worker **group** (a TP prefill group, an EP decode group) is one placement group: one bundle per
   rank with its CPU/GPU (`resources` in the group's config), STRICT_PACK, so the ranks share a host.
-  Rank 0 hosts the group's TCPStore on a port picked at each (re)launch; the others get it as
-  `--rank r --dist-init IP:PORT`. Ray gives a GPU bundle's actor its device (CUDA_VISIBLE_DEVICES),
+  The ranks meet in the cluster's Redis (kvpool.rendezvous) under a name picked at each (re)launch:
+  `--rank r --dist-init NAME`. Ray gives a GPU bundle's actor its device (CUDA_VISIBLE_DEVICES),
   which the process inherits.
 - One **pool node** per Ray node (hard node affinity; nodes that join later get one, nodes that leave
   take theirs), or `pool.nodes` of them spread (`pool.per_ray_node: false`).
@@ -24,7 +24,8 @@
 - **Internal TLS** (`internal_tls`; `auto` is on under Ray, whose nodes may be other hosts): the
   controller makes the cluster CA (deploy.cluster_ca; its key never leaves the controller) and gives
   each process it launches the CA certificate and a new leaf for its node's IP in `KVFERRY_TLS_*`
-  (kvferry.auth), at every (re)launch; redis gets none (it speaks no gRPC).
+  (kvferry.auth), at every (re)launch; redis-server gets a leaf of its own and speaks TLS only
+  (deploy.redis_server; the URL is `rediss://`).
 - **Failure**: Ray restarts a dead supervisor (`ray.max_restarts`); the controller's watcher checks
   every unit every second and relaunches one with a dead actor or an exited process whole (every
   rank of a group: a group cannot take one rank back mid-collective) on the same resources. The
@@ -65,8 +66,10 @@ from ray.util.scheduling_strategies import (
 from kvferry.auth import SECRET_ENV, cluster_secret, new_secret
 from kvferry.deploy import scaling
 from kvferry.deploy.cluster_ca import ClusterCA
-from kvferry.deploy.redis_server import new_password, redis_url, write_private
+from kvferry.deploy.redis_server import TLS_FILES as REDIS_TLS_FILES
+from kvferry.deploy.redis_server import new_password, redis_url, tls_files, write_private
 from kvferry.kvpool.metadata import mask_url
+from kvferry.kvpool.rendezvous import fresh_name
 from kvferry.proc import STOP_ORDER, die_with_parent
 from kvferry.settings import API_KEY_ENV
 
@@ -207,6 +210,8 @@ class Controller:
         self.secret = cluster_secret()  # from the runtime env `up` gives this actor (None: an open cluster)
         # internal TLS: the cluster CA, made here (its key never leaves this actor); None: plaintext
         self.ca = ClusterCA.create() if self.cfg.internal_tls_on(ray=True) else None
+        if self.ca is not None:  # this actor's own leaf: its Redis client checks redis-server's against it
+            os.environ.update(self.ca.issue().env())
         self.router_addr = ""
         self.http_url = ""
         self.model_dir: Path | None = None
@@ -238,7 +243,8 @@ class Controller:
             self.redis_password = new_password()
             redis = self._start(self._new_unit("redis", "redis"))
             host, port = redis.where[0]["ip"], redis.port
-            wait_for_redis(host, port, deadline, lambda: self._check_started([redis]), self.redis_password)
+            check = lambda: self._check_started([redis])  # noqa: E731
+            wait_for_redis(host, port, deadline, check, self.redis_password, self.ca is not None)
         self._event(f"redis {mask_url(self.redis_url)}")
         if not cfg.colocated:
             self._reconcile_pool()
@@ -500,9 +506,13 @@ class Controller:
         files = None
         if unit.role == "redis":
             unit.port = unit.port or ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
-            argvs = [redis_server_argv("{host}", unit.port, config=Path("{file:redis.conf}"))]
             files = {"redis.conf": f"requirepass {self.redis_password}\n"}
-            self.redis_url = redis_url(ip, unit.port, self.redis_password)
+            tls = None
+            if self.ca is not None:  # TLS only, with a leaf of the cluster CA (deploy.redis_server)
+                files.update(tls_files(self.ca.issue(ip)))
+                tls = [f"{{file:{name}}}" for name in REDIS_TLS_FILES]
+            argvs = [redis_server_argv("{host}", unit.port, config=Path("{file:redis.conf}"), tls=tls)]
+            self.redis_url = redis_url(ip, unit.port, self.redis_password, tls is not None)
         elif unit.role == "pool":
             argvs = [pool_argv(cfg, self.layout, unit.name, "{host}")]
         elif unit.role == "router":
@@ -531,9 +541,8 @@ class Controller:
         else:
             base = worker_argv(cfg, unit.role, unit.kind, unit.name, cfg.model, "{host}")
             argvs = [base]
-            if unit.size > 1:  # rank 0 hosts the group's store on a port free now
-                port = ray.get(unit.sups[0].free_port.remote(), timeout=RPC_TIMEOUT_S)
-                init = f"{ip}:{port}"
+            if unit.size > 1:  # the ranks meet in the cluster's Redis under a name new at each launch
+                init = fresh_name(unit.name)
                 argvs = [[*base, "--rank", str(r), "--dist-init", init] for r in range(unit.size)]
         if unit.role != "redis":
             env.update(redis_env(self.redis_url))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -640,10 +641,19 @@ def _local_cluster_args(p) -> None:
 
 
 def _redis_url(args) -> str | None:
-    """--redis-url, or the URL read from --redis-url-file."""
-    if args.redis_url_file is not None:
-        return args.redis_url_file.read_text().strip()
-    return args.redis_url
+    """--redis-url, or the URL read from --redis-url-file. A local cluster with internal TLS writes its
+    launcher's leaf beside that file: this process takes it (unless it has one) to check redis-server's
+    certificate and to call the internal ports."""
+    if args.redis_url_file is None:
+        return args.redis_url
+    from kvferry.auth import TLS_ENVS, tls_material
+    from kvferry.deploy.local import TLS_FILES
+
+    url = args.redis_url_file.read_text().strip()
+    beside = [args.redis_url_file.parent / name for name in TLS_FILES]
+    if url.startswith("rediss://") and tls_material() is None and all(p.exists() for p in beside):
+        os.environ.update({env: p.read_text() for env, p in zip(TLS_ENVS, beside, strict=True)})
+    return url
 
 
 def _ray_controller(args):

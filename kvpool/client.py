@@ -40,7 +40,7 @@ import torch
 from kvferry.kvpool.dataplane import MAX_BLOCKS, RETRY_S, TRANSFER_TIMEOUT_S, PairLink, PoolError, Put
 from kvferry.kvpool.metadata import DISK_SLOT, POOL_ROLE, Location, MetadataStore
 from kvferry.kvpool.shm import SharedSlab, shm_host
-from kvferry.kvpool.transfer import BlockLayout, Staging, runs, unpack_blocks
+from kvferry.kvpool.transfer import BlockLayout, Staging, check_interface, runs, unpack_blocks
 from kvferry.rpc import channel as rpc_channel
 from kvferry.v1 import pool_pb2, pool_pb2_grpc
 
@@ -101,8 +101,11 @@ class PoolClient:
         shm: bool = True,
         reserve_blocks: int = RESERVE_BLOCKS,
         replicas: int = 1,
+        data_interface: str = "",
     ):
         self.meta = meta
+        check_interface(data_interface)
+        self.data_interface = data_interface  # PoolConfig.data_interface: where the pair groups connect
         self.layout = layout
         self.peer_id = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.host = host
@@ -193,7 +196,7 @@ class PoolClient:
         stub = pool_pb2_grpc.KVPoolStub(channel)
         link = PairLink(
             node_id,
-            info["store"],
+            self.meta.rendezvous,
             info["device"],
             stub,
             self.layout,
@@ -201,6 +204,7 @@ class PoolClient:
             self.host,
             self.device,
             self.transfer_timeout_s,
+            self.data_interface,
         )
         node = _Node(node_id, channel, stub, link, int(info.get("num_slots", 0)))
         self._remap(node, info)

@@ -22,9 +22,6 @@ class PoolConfig:
     node_id: str = field(default="", metadata=meta("the node's id in the registry", launcher=True))
     host: str = field(default="127.0.0.1", metadata=meta("the address the node binds", launcher=True))
     port: int = field(default=0, metadata=meta("the node's gRPC port (0: any free)", launcher=True))
-    store_port: int = field(
-        default=0, metadata=meta("the port of its pair groups' TCPStore (0: any free)", launcher=True)
-    )
     num_slots: int | None = field(
         default=None, metadata=meta("block slots in the slab (default: --memory-gib's worth)", launcher=True)
     )
@@ -59,6 +56,17 @@ class PoolConfig:
             "prefill (off), or on when it computes on a GPU (auto; on CPU the transfer takes cores from the "
             "compute and costs more than it saves)",
             choices=STREAM_LAYERS,
+            cluster=True,
+            worker=True,
+        ),
+    )
+    data_interface: str = field(
+        default="",
+        metadata=meta(
+            "the network interface the KV data plane uses on every host (e.g. a private NIC or VLAN): the "
+            "pair groups' gloo connections listen and connect there only. The data plane is not "
+            "encrypted (bench/kv_encryption.py measures what TLS would cost); empty: the address each "
+            "process binds (cluster_host)",
             cluster=True,
             worker=True,
         ),

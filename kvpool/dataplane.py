@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import logging
 import queue
-import socket
 import struct
 import threading
 import time
@@ -190,7 +189,7 @@ class PairLink:
     """This client's pair group with one node (see the module docstring)."""
 
     node_id: str
-    store_addr: str
+    rendezvous: Callable[[str, float], dist.Store]  # the store of a pair group by name (MetadataStore's)
     node_device: str
     stub: object  # KVPoolStub
     layout: BlockLayout
@@ -198,6 +197,7 @@ class PairLink:
     host: str
     device: torch.device
     timeout_s: float
+    interface: str = ""  # PoolConfig.data_interface ("": `host`)
     staging: Staging = field(init=False)
     group: dist.ProcessGroup | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -356,15 +356,19 @@ class PairLink:
         deadline = time.monotonic() + self.timeout_s
         reply = None
         try:
-            host, port = self.store_addr.rsplit(":", 1)
-            # a dead node refuses at once, but TCPStore would retry until its timeout (and past it)
-            socket.create_connection((host, int(port)), timeout=min(self.timeout_s, 2.0)).close()
-            joined = self._join(host, int(port), name, backend)
+            joined = self._join(name, backend)
             reply = self.stub.Connect.future(
                 pool_pb2.ConnectRequest(peer_id=self.peer_id, group_name=name, backend=backend),
                 timeout=self.timeout_s,
             )
-            group = joined.result(timeout=max(0.0, deadline - time.monotonic()))
+            # a dead node fails the RPC at once: do not wait out the rendezvous then
+            while not joined.done():
+                if reply.done() and reply.exception() is not None:
+                    raise reply.exception()
+                if time.monotonic() > deadline:
+                    raise concurrent.futures.TimeoutError()
+                concurrent.futures.wait([joined], timeout=0.01)
+            group = joined.result(timeout=0)
             reply.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # store unreachable, peer never joined, RPC failed: the node is down
             if reply is not None:
@@ -379,16 +383,17 @@ class PairLink:
         ).start()
         return group
 
-    def _join(self, host: str, port: int, name: str, backend: str) -> concurrent.futures.Future:
-        """Join pair group `name` through the node's store, on a thread of its own: a TCPStore client
-        whose server hangs (accepts, never answers) waits past any timeout, so the caller waits on the
-        future (bounded) and a join that finishes after the caller gave up is dropped."""
+    def _join(self, name: str, backend: str) -> concurrent.futures.Future:
+        """Join pair group `name` (its rendezvous in the cluster's Redis: kvpool.rendezvous) on a
+        thread of its own, so the caller's wait is bounded however the join goes; a join that finishes
+        after the caller gave up is dropped."""
         joined: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-                joined.set_result(make_pair_group(store, name, 1, backend, self.host, self.timeout_s))
+                store = self.rendezvous(name, self.timeout_s)
+                group = make_pair_group(store, name, 1, backend, self.host, self.timeout_s, self.interface)
+                joined.set_result(group)
             except Exception as err:
                 joined.set_exception(err)
 

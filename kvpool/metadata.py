@@ -39,6 +39,9 @@ from dataclasses import dataclass, field, replace
 
 import redis
 
+from kvferry.auth import tls_material
+from kvferry.kvpool.rendezvous import RedisStore, group_store
+
 log = logging.getLogger(__name__)
 
 # A value is one or more copies "node slot generation" (a `d:` entry: "node generation") joined by ";".
@@ -159,6 +162,19 @@ def request_digest(request_id: str) -> int:
     return zlib.crc32(request_id.encode())
 
 
+def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
+    """The one way a kvferry process opens the cluster's Redis. A `rediss://` URL speaks TLS: the
+    server's certificate must chain to the cluster CA when this process has internal TLS material
+    (kvferry.auth.tls_material: the launcher's redis-server holds a leaf of that CA), else to the
+    system's roots."""
+    extra = {}
+    if url.startswith("rediss://"):
+        tls = tls_material()
+        if tls is not None:
+            extra["ssl_ca_data"] = tls.ca.decode()
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **extra)
+
+
 def mask_url(url: str) -> str:
     """`url` with its password (if any) replaced by ***, for logs and status lines."""
     return re.sub(r"^(\w+://[^:@/]*:)[^@/]+@", r"\1***@", url)
@@ -172,10 +188,9 @@ class MetadataStore:
         self, url: str, namespace: str = "default", socket_timeout: float = 2.0, live_cache_s: float = 0.5
     ):
         self.url = url
+        self.namespace = namespace
         self.prefix = f"kvf:{namespace}:"
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
-        )
+        self.client = redis_client(url, socket_timeout)
         self._down_since: float | None = None
         self.live_cache_s = live_cache_s
         self._live: tuple[float, frozenset[str]] | None = None  # (read at, live pool node ids)
@@ -183,6 +198,25 @@ class MetadataStore:
         # registrations that found no record of the member (its first, or one after its record lapsed
         # or Redis lost it): readers may have dropped its block entries meanwhile
         self.fresh_registrations = 0
+
+    def charge_tokens(self, owner: str, tokens: int, per_minute: int, now: float | None = None) -> float:
+        """Count `tokens` for `owner` (an API key's digest) in this minute's window, shared by every
+        router: 0 when within `per_minute` (then counted), else the seconds until the window ends (not
+        counted). A request larger than the whole limit passes alone in an empty window. Redis down:
+        0 (the limit is not enforced while it is). `now`: the wall clock (every router's agrees)."""
+        now = time.time() if now is None else now
+        window = int(now // 60)
+        try:
+            ok = self.client.eval(_CHARGE, 1, f"{self.prefix}rate:{owner}:{window}", tokens, per_minute, 120)
+        except redis.RedisError as err:
+            self._failed(err)
+            return 0.0
+        self._ok()
+        return 0.0 if ok else max(1.0, (window + 1) * 60 - now)
+
+    def rendezvous(self, name: str, timeout_s: float) -> RedisStore:
+        """The torch.distributed store of group `name` (kvpool.rendezvous), on this Redis."""
+        return group_store(self.client, self.namespace, name, timeout_s)
 
     # -- health bookkeeping ---------------------------------------------------------------------------
     def _ok(self) -> None:
@@ -419,6 +453,15 @@ class MetadataStore:
             return None
         self._malformed.discard(name)
         return record
+
+
+# KEYS[1]: a key's window; ARGV: the request's tokens, the limit, the window's TTL. 1: counted, 0: over.
+_CHARGE = """
+local used = redis.call('INCRBY', KEYS[1], ARGV[1])
+if used == tonumber(ARGV[1]) then redis.call('EXPIRE', KEYS[1], ARGV[3]) return 1 end
+if used > tonumber(ARGV[2]) then redis.call('DECRBY', KEYS[1], ARGV[1]) return 0 end
+return 1
+"""
 
 
 def _parse_disk(key: bytes, value: bytes) -> list[Location]:

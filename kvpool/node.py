@@ -64,8 +64,8 @@ from kvferry.kvpool.slots import PutPlan, SlotState, SlotTable
 from kvferry.kvpool.transfer import (
     BlockLayout,
     Staging,
+    check_interface,
     chunk_plan,
-    host_store,
     make_pair_group,
     next_tag,
     recv_stream,
@@ -106,6 +106,7 @@ class Awaiting:
 
 class PoolNode(pool_pb2_grpc.KVPoolServicer):
     def __init__(self, cfg: PoolConfig, layout: BlockLayout):
+        check_interface(cfg.data_interface)
         cfg = cfg.for_layout(layout.block_bytes)
         self.cfg = cfg
         self.node_id = cfg.node_id or f"pool-{uuid.uuid4().hex[:8]}"
@@ -134,7 +135,6 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         # sends the put answers: a peer's answer never waits on the thread that completed its block
         self.answers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="put-answer")
         self.meta = MetadataStore(cfg.redis_url, cfg.namespace)
-        self.store = host_store(cfg.host, cfg.store_port, None)  # listening on the node's host only
         self._redis_id: str | None = None
         self._registrations = 0  # meta.fresh_registrations as of the last check
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # metadata writes, done by _publisher
@@ -188,12 +188,13 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             )
         try:
             group = make_pair_group(
-                self.store,
+                self.meta.rendezvous(request.group_name, self.cfg.transfer_timeout_s),
                 request.group_name,
                 0,
                 request.backend or "gloo",
                 self.cfg.host,
                 self.cfg.transfer_timeout_s,
+                self.cfg.data_interface,
             )
         except Exception as err:  # the peer never joined, or the backend failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair group {request.group_name!r} failed: {err}")
@@ -557,7 +558,6 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
         return {
             **shm,
             "addr": f"{self.cfg.host}:{self.port}",
-            "store": f"{self.cfg.host}:{self.store.port}",
             "device": self.device.type,
             "layout": self.layout.to_list(),
             "num_slots": self.table.num_slots,
@@ -588,6 +588,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 device=self.cfg.device,
                 transfer_timeout_s=self.cfg.transfer_timeout_s,
                 reserve_blocks=16,
+                data_interface=self.cfg.data_interface,
             )
             threading.Thread(
                 target=replicator,

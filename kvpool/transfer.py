@@ -1,8 +1,9 @@
 """Block data transport: torch.distributed point-to-point over pair groups made on demand.
 
 A pair group is a two-rank process group between one client process (rank 1) and one pool node
-(rank 0), rendezvousing through the node's TCPStore under a fresh prefix. There is no global world: a
-process holds one pair group per peer, made the first time it talks to that peer and reused after.
+(rank 0), rendezvousing in the cluster's Redis under a fresh name (kvpool.rendezvous). There is no
+global world: a process holds one pair group per peer, made the first time it talks to that peer and
+reused after.
 Backend: gloo (`make_pair_group` can make an NCCL one, but the data plane's tagged CPU headers need
 gloo: `dataplane.PairLink` asks for gloo whatever the devices). Only raw tensors travel here;
 the control messages (which blocks, which slots) are protobuf on gRPC.
@@ -99,10 +100,23 @@ class BlockLayout:
         return cls(model_cfg.num_layers, model_cfg.num_kv_heads, block_size, width, dtype_name(kv_dtype))
 
 
+def check_interface(name: str) -> None:
+    """Refuse at start a data_interface this host does not have (rather than at the first transfer)."""
+    if name:
+        try:
+            socket.if_nametoindex(name)
+        except OSError:
+            have = ", ".join(n for _, n in socket.if_nameindex())
+            raise ValueError(
+                f"data_interface {name!r}: no such network interface here (have: {have})"
+            ) from None
+
+
 def make_pair_group(
-    store: dist.Store, name: str, rank: int, backend: str, host: str, timeout_s: float
+    store: dist.Store, name: str, rank: int, backend: str, host: str, timeout_s: float, interface: str = ""
 ) -> dist.ProcessGroup:
-    """Join the two-rank group `name` on `store` as `rank` (blocks until the peer joins too)."""
+    """Join the two-rank group `name` on `store` as `rank` (blocks until the peer joins too); gloo binds
+    `interface` (PoolConfig.data_interface) when given, else `host`."""
     prefix = dist.PrefixStore(f"kvferry/pair/{name}/", store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -112,7 +126,8 @@ def make_pair_group(
         raise ValueError(f"unknown transfer backend {backend!r}")
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    where = {"interface": interface} if interface else {"hostname": host}
+    opts._devices = [dist.ProcessGroupGloo.create_device(**where)]
     return dist.ProcessGroupGloo(prefix, rank, 2, opts)
 
 
@@ -235,20 +250,3 @@ class Staging:
         if self.bufs[which].numel() < numel:
             self.bufs[which] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.bufs[which][:numel].view(shape)
-
-
-def host_store(host: str, port: int, size: int | None) -> dist.TCPStore:
-    """Rank 0's TCPStore on host:port (0: any free port), listening on `host` only: torch's own
-    listener would bind every interface, so the store gets a socket bound here instead."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-        bound = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(host, bound, size, is_master=True, wait_for_workers=False, master_listen_fd=fd)

@@ -61,7 +61,11 @@ class WorkerConfig:
         ),
     )
     dist_init: str | None = field(
-        default=None, metadata=meta("HOST:PORT of the group's TCPStore (hosted by rank 0)", launcher=True)
+        default=None,
+        metadata=meta(
+            "the group's rendezvous name in the cluster's Redis (given by rank 0 or the launcher)",
+            launcher=True,
+        ),
     )
     host_share_dir: str = field(
         default="",

@@ -1,8 +1,9 @@
 """A worker group: one prefill (tensor-parallel) or decode (expert-parallel) replica of 1..N ranks.
 
-Rank 0 hosts the group's TCPStore (listening on the worker's --host only) and, started alone, spawns the other
-ranks itself (this command again with `--rank r --dist-init HOST:PORT`); an external launcher (Ray)
-starts every rank with those flags instead. Every rank then joins the group's process group
+The ranks rendezvous in the cluster's Redis (kvpool.rendezvous: a password, TLS across hosts; no
+store listener) under a name fresh for each launch. Rank 0, started alone, picks the name and spawns
+the other ranks itself (this command again with `--rank r --dist-init NAME`); an external launcher
+(Ray) picks it and starts every rank with those flags instead. Every rank then joins the group's process group
 (`init_group`: gloo on CPU, NCCL with a gloo side group on GPU). A lone worker is a group of one and
 forms nothing.
 """
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from kvferry.engine.engine import EngineConfig
-from kvferry.kvpool.transfer import host_store
+from kvferry.kvpool.metadata import MetadataStore
+from kvferry.kvpool.rendezvous import fresh_name
 from kvferry.model.parallel import Comm, init_group
 from kvferry.proc import die_with_parent, terminate
 
@@ -48,10 +50,14 @@ class Group:
         terminate(self.children, timeout_s)
 
 
+RENDEZVOUS_S = 300.0  # how long a rank waits for the others to join (they load the model first)
+
+
 def form_group(
-    args, cfg: EngineConfig, role: str, group_id: str, argv: list[str]
+    args, cfg: EngineConfig, role: str, group_id: str, argv: list[str], meta: MetadataStore
 ) -> tuple[Group, EngineConfig]:
-    """Join (rank 0: host, and start the other ranks of) the group; returns it and this rank's config."""
+    """Join (rank 0 alone: and start the other ranks of) the group, meeting in `meta`'s Redis; returns
+    it and this rank's config."""
     size = cfg.tensor_parallel_size * cfg.expert_parallel_size
     if size == 1:
         return Group.single(group_id), cfg
@@ -62,23 +68,19 @@ def form_group(
         cfg = replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
     children = []
     if args.dist_init:
-        host, _, port = args.dist_init.rpartition(":")
-        if rank == 0:
-            store = host_store(host, int(port), size)
-        else:
-            store = dist.TCPStore(host, int(port), size, is_master=False, wait_for_workers=False)
+        name = args.dist_init
     else:
         if args.rank:
-            raise SystemExit("--rank > 0 needs --dist-init HOST:PORT (rank 0's group store)")
-        store = host_store(args.host, 0, size)
-        init = f"{args.host}:{store.port}"
+            raise SystemExit("--rank > 0 needs --dist-init NAME (the group's rendezvous name)")
+        name = fresh_name(group_id)
         for r in range(1, size):  # the other ranks: this command again, with their rank
             cmd = [sys.executable, "-m", f"kvferry.{role}_worker", *argv, "--worker-id", group_id]
-            cmd += ["--port", "0", "--rank", str(r), "--dist-init", init]
+            cmd += ["--port", "0", "--rank", str(r), "--dist-init", name]
             # SIGKILL: a rank is of no use without rank 0 (and TP followers ignore SIGTERM)
             children.append(
                 subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL), stdin=subprocess.DEVNULL)
             )
+    store = meta.rendezvous(name, RENDEZVOUS_S)
     device = torch.device(cfg.device if cfg.device != "auto" else "cpu")
     log.info("joining group %s as rank %d of %d", group_id, rank, size)
     comm = init_group(store, group_id, rank, size, device, args.host)

@@ -89,7 +89,8 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     except ConfigError as err:
         raise SystemExit(str(err)) from None
     group_id = args.worker_id or f"{role.name}-{uuid.uuid4().hex[:8]}"
-    group, cfg = form_group(args, cfg, role.name, group_id, argv)
+    meta = MetadataStore(args.redis_url, args.namespace)
+    group, cfg = form_group(args, cfg, role.name, group_id, argv, meta)
     worker_id = group.member_id()
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role.name} {worker_id} %(levelname)s %(message)s"
@@ -97,7 +98,6 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
     # built on a passing thread, so that the engine thread's OpenMP team is the process's only one
     # (kvferry.proc); the router makes the text
     engine = on_passing_thread(lambda: LLMEngine(cfg, role.parallel(group.comm), detokenize=False))
-    meta = MetadataStore(args.redis_url, args.namespace)
     pool = PoolClient(
         meta,
         kv_layout(engine),
@@ -106,6 +106,7 @@ def run_worker(role: WorkerRole, argv: list[str] | None) -> int:
         device=str(engine.device),
         replicas=pool_cfg.replicas,
         transfer_timeout_s=pool_cfg.transfer_timeout_s,
+        data_interface=pool_cfg.data_interface,
     )
     serving_timeouts(group, args.group_timeout_s)
     if group.rank > 0 and role.follow is not None:

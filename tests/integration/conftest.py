@@ -22,31 +22,41 @@ import pytest
 from cluster_helpers import ENGINE, Members, SharedClusters, make_cluster_config  # by `from conftest import`
 
 from kvferry.deploy.config import WorkerGroupSettings
-from kvferry.deploy.local import LocalCluster, redis_server_argv, wait_for_redis
+from kvferry.deploy.local import LocalCluster
+from kvferry.deploy.redis_server import (
+    new_password,
+    redis_server_argv,
+    redis_url,
+    wait_for_redis,
+    write_redis_config,
+)
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.proc import free_port
 from kvferry.router.client import Client
 
 
 class RedisServer:
-    """One redis-server process on a fixed port; restartable (same port) to simulate an outage."""
+    """One redis-server process on a fixed port, with a password as `kvferry up` starts one; restartable
+    (same port, same password) to simulate an outage."""
 
     def __init__(self, port: int, workdir: Path):
         self.port = port
         self.workdir = workdir
+        self.password = new_password()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return redis_url("127.0.0.1", self.port, self.password)
 
     def start(self) -> None:
+        config, _ = write_redis_config(self.workdir / "redis.conf", self.password)
         self.proc = subprocess.Popen(
-            redis_server_argv("127.0.0.1", self.port, self.workdir),
+            redis_server_argv("127.0.0.1", self.port, self.workdir, config=config),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for_redis("127.0.0.1", self.port, time.monotonic() + 20)
+        wait_for_redis("127.0.0.1", self.port, time.monotonic() + 20, password=self.password)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -1,19 +1,23 @@
 """`kvferry up --internal-tls on` on loopback: every internal connection is mutual TLS with leaves of the
 launcher's cluster CA. Requests flow router -> prefill -> pool -> decode as on a plaintext cluster, and a
-process without a cluster certificate reaches no worker or pool node, even holding the cluster secret."""
+process without a cluster certificate reaches no worker or pool node, even holding the cluster secret;
+redis speaks TLS only and asks for its password."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlparse
 
 import grpc
 import pytest
+import redis
 from test_up_cli import descendants, up
 
 from kvferry import rpc
 from kvferry.auth import CLUSTER_NAME, SECRET_ENV, TLS_CA_ENV, TLS_ENVS, TLS_KEY_ENV
 from kvferry.deploy.local import TLS_FILES
-from kvferry.kvpool.metadata import MetadataStore
+from kvferry.deploy.redis_server import TLS_FILES as REDIS_TLS_FILES
+from kvferry.kvpool.metadata import MetadataStore, redis_client
 from kvferry.router.client import Client, build_request
 from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -76,13 +80,26 @@ def test_a_tls_cluster_serves_greedy_requests_and_refuses_callers_without_its_ce
         assert len({envs[m][TLS_KEY_ENV] for m in members}) == len(members)
         assert len({envs[m][TLS_CA_ENV] for m in members}) == 1
 
+        # redis speaks TLS only (a leaf of the cluster CA); the password is still the credential
+        url = (logs / "redis-url").read_text().strip()
+        assert url.startswith("rediss://")
+        for name, file in zip(TLS_ENVS, TLS_FILES, strict=True):
+            monkeypatch.setenv(name, (logs / file).read_text())
+        meta = MetadataStore(url, "default")
+        decode = next(iter(meta.members("decode").values()))["addr"]
+        pool = next(iter(meta.members("pool").values()))["addr"]
+        parsed = urlparse(url)
+        with pytest.raises(redis.ConnectionError):  # plaintext, even with the password
+            redis.Redis(
+                host=parsed.hostname, port=parsed.port, password=parsed.password, socket_timeout=2
+            ).ping()
+        with pytest.raises(redis.AuthenticationError):  # TLS, no password
+            redis_client(url.replace(f":{parsed.password}@", "")).keys("*")
+
         secret = (logs / "cluster-secret").read_text().strip()
         monkeypatch.setenv(SECRET_ENV, secret)  # a caller with the right secret, but no certificate
         for name in TLS_ENVS:
             monkeypatch.delenv(name, raising=False)
-        meta = MetadataStore((logs / "redis-url").read_text().strip(), "default")
-        decode = next(iter(meta.members("decode").values()))["addr"]
-        pool = next(iter(meta.members("pool").values()))["addr"]
         ca = (logs / TLS_FILES[0]).read_bytes()
         no_cert = grpc.ssl_channel_credentials(root_certificates=ca)
         override = [("grpc.ssl_target_name_override", CLUSTER_NAME)]
@@ -101,4 +118,4 @@ def test_a_tls_cluster_serves_greedy_requests_and_refuses_callers_without_its_ce
         with rpc.channel(pool) as ch:
             assert pool_stats(ch).blocks_in > 0
         assert rpc.check_health(decode) and rpc.check_health(pool)
-    assert not [f for f in TLS_FILES if (logs / f).exists()]  # removed at stop
+    assert not [f for f in (*TLS_FILES, *REDIS_TLS_FILES) if (logs / f).exists()]  # removed at stop

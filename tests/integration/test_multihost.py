@@ -23,6 +23,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -349,9 +350,13 @@ def test_the_internal_plane_is_mutual_tls_and_the_secret_never_crosses_in_clear(
             assert mh.client.generate(greedy(random_prompt(300 + seed, 48), NEW_TOKENS), timeout=60).token_ids
         stop.set()
         frames = wire.result(timeout=10)
-    assert any(f"kvf:{NAMESPACE}:".encode() in f for f in frames)  # the capture works: Redis is plaintext
-    clear = sorted({flow(f) for f in frames if SECRET.encode() in f})
-    assert not clear, f"the cluster secret crossed a link in clear: {clear}"
+    redis_port, password = urlparse(mh.redis_url).port, urlparse(mh.redis_url).password
+    assert mh.redis_url.startswith("rediss://")
+    to_redis = [f for f in frames if f[12:14] == b"\x08\x00" and f[23] == 6 and f":{redis_port}" in flow(f)]
+    assert to_redis  # the capture works: it saw the registry's traffic with Redis...
+    assert not any(f"kvf:{NAMESPACE}:".encode() in f for f in frames)  # ...and no key of it in clear
+    clear = sorted({flow(f) for f in frames if SECRET.encode() in f or password.encode() in f})
+    assert not clear, f"the cluster secret or Redis's password crossed a link in clear: {clear}"
 
     decode = next(iter(MetadataStore(mh.redis_url, NAMESPACE).members("decode").values()))["addr"]
     secret = (("x-kvferry-secret", SECRET),)

@@ -127,7 +127,7 @@ def test_greedy_tokens_equal_the_reference(client, prompts, reference):
 
 
 @pytest.mark.timeout(600)  # each scale may take up to 300 s
-def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_factory):
+def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_factory, monkeypatch):
     ctrl, status = kv
     results: dict[int, object] = {}
 
@@ -151,6 +151,8 @@ def test_scaling_decode_up_and_down_mid_run_loses_nothing(kv, client, tmp_path_f
     # most go to the new, empty group; long enough to be seen in flight by a heartbeat (1 s)
     second = wave(range(100, 106), 600)
     assert ":***@" in status["redis_url"]  # the launched redis asks for a password, never shown
+    for name, pem in ray.get(ctrl.operator_tls.remote()).items():  # redis speaks TLS under Ray
+        monkeypatch.setenv(name, pem)
     meta = MetadataStore(ray.get(ctrl.full_redis_url.remote()), "test-ray")
     wait_for(
         lambda: meta.members("decode").get("decode-1", {}).get("inflight", 0) > 0,

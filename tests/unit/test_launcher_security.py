@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.auth import SECRET_ENV
+from kvferry.deploy.cluster_ca import ClusterCA
 from kvferry.deploy.config import (
     ClusterConfig,
     ClusterConfigError,
@@ -19,6 +20,7 @@ from kvferry.deploy.config import (
     cluster_config_to_dict,
 )
 from kvferry.deploy.local import LocalCluster, pool_argv, router_argv, worker_argv
+from kvferry.deploy.redis_server import TLS_FILES as REDIS_TLS_FILES
 from kvferry.deploy.redis_server import redis_server_argv, write_private, write_redis_config
 from kvferry.deploy.restarts import RestartBudget
 from kvferry.kvpool.metadata import REDIS_URL_ENV, add_redis_url_arg, mask_url
@@ -65,14 +67,27 @@ def test_security_and_restart_settings_survive_the_yaml_round_trip():
 
 
 def test_redis_password_is_in_an_owner_only_file_not_the_command(tmp_path):
-    conf = write_redis_config(tmp_path / "redis.conf", "pw123")
-    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    conf, tls = write_redis_config(tmp_path / "redis.conf", "pw123")
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and tls is None
     assert conf.read_text() == "requirepass pw123\n"
     argv = redis_server_argv("127.0.0.1", 7000, config=conf)
     assert argv[1] == str(conf) and "pw123" not in " ".join(argv)
     assert argv[argv.index("--protected-mode") + 1] == "yes"
     assert argv[argv.index("--bind") + 1] == "127.0.0.1"
-    assert redis_server_argv("127.0.0.1", 7000)[1] == "--port"  # the shared test fixture's form
+    assert argv[argv.index("--port") + 1] == "7000" and "--tls-port" not in argv
+    assert redis_server_argv("127.0.0.1", 7000)[1] == "--port"  # without a config file
+    # with internal TLS: the leaf's files beside the config, owner-only; TLS only on the port
+    leaf = ClusterCA.create().issue("127.0.0.1")
+    (tmp_path / "tls").mkdir()
+    conf, tls = write_redis_config(tmp_path / "tls" / "redis.conf", "pw123", leaf)
+    assert [Path(p).name for p in tls] == list(REDIS_TLS_FILES)
+    assert all(stat.S_IMODE(Path(p).stat().st_mode) == 0o600 for p in tls)
+    assert Path(tls[1]).read_bytes() == leaf.key and "BEGIN" not in " ".join(
+        redis_server_argv("h", 1, tls=tls)
+    )
+    argv = redis_server_argv("127.0.0.1", 7000, config=conf, tls=tls)
+    assert argv[argv.index("--port") + 1] == "0" and argv[argv.index("--tls-port") + 1] == "7000"
+    assert argv[argv.index("--tls-key-file") + 1] == tls[1]
     (tmp_path / "wide").write_text("old")
     (tmp_path / "wide").chmod(0o644)
     assert stat.S_IMODE(write_private(tmp_path / "wide", "new").stat().st_mode) == 0o600
