@@ -224,13 +224,10 @@ class ClusterConfig:
             )
         if bool(self.router.ssl_certfile) != bool(self.router.ssl_keyfile):
             raise ClusterConfigError("router.ssl_certfile and router.ssl_keyfile go together")
-        from kvferry.auth import split_key_spec
-
-        for spec in self.router.api_keys:
-            try:
-                split_key_spec(spec)
-            except ValueError as err:
-                raise ClusterConfigError(f"router.api_keys (--api-key): {err}") from None
+        try:
+            self.router.key_specs()
+        except ValueError as err:
+            raise ClusterConfigError(f"router: {err}") from None
         for name in ("router", "pool", "restarts", "autoscale", "ray"):
             _check_choices(getattr(self, name), name)
         _check_choices(self, "")

@@ -152,29 +152,6 @@ def unscoped_id(owner: str, request_id: str) -> str:
     return request_id.removeprefix(_id_tag(owner))
 
 
-# what `--api-key KEY:option=value:...` may set for one key (router.admission.KeyPolicy)
-KEY_OPTIONS = ("min_priority", "max_inflight")
-
-
-def split_key_spec(spec: str) -> tuple[str, dict[str, int]]:
-    """An API key as the router is given it, `KEY` or `KEY:option=value:...` (KEY_OPTIONS, integers),
-    as (the key clients send, its options); ValueError naming what is wrong."""
-    key, *options = spec.split(":")
-    out: dict[str, int] = {}
-    for option in options:
-        name, sep, value = option.partition("=")
-        if not sep or name not in KEY_OPTIONS:
-            want = ", ".join(KEY_OPTIONS)
-            raise ValueError(f"API key option {option!r}: expected one of {want} as NAME=INT")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise ValueError(f"API key option {name}: {value!r} is not an integer") from None
-    if not key:
-        raise ValueError("an API key spec without a key")
-    return key, out
-
-
 def may_act_for(caller: str, owner: str) -> bool:
     """Whether a caller (`owner_of` its metadata) may abort a request `owner` made: its own, or any when
     it came without a key (a cluster without keys, where nobody has one, or the cluster secret's holder:
@@ -224,10 +201,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
 
 class AioAuthInterceptor(grpc.aio.ServerInterceptor):
-    """The same gate for an asyncio server."""
+    """The same gate for an asyncio server; `on_refuse(method)` is told of each call it refuses."""
 
-    def __init__(self, creds: Credentials):
+    def __init__(self, creds: Credentials, on_refuse: Callable[[str], None] | None = None):
         self.creds = creds
+        self.on_refuse = on_refuse
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -238,16 +216,20 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def refuse(request, context):
+            if self.on_refuse is not None:
+                self.on_refuse(details.method)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
         return _wrap(handler, refuse)
 
 
-def server_interceptors(creds: Credentials | None = None, aio: bool = False) -> list:
+def server_interceptors(
+    creds: Credentials | None = None, aio: bool = False, on_refuse: Callable[[str], None] | None = None
+) -> list:
     creds = creds if creds is not None else cluster_credentials()
     if not creds.required:
         return []
-    return [AioAuthInterceptor(creds) if aio else AuthInterceptor(creds)]
+    return [AioAuthInterceptor(creds, on_refuse) if aio else AuthInterceptor(creds)]
 
 
 # -- client side: every call on a kvferry channel carries the secret ------------------------------------

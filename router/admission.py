@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvferry.auth import owner_of_key, scoped_id, split_key_spec
+from kvferry.auth import owner_of_key, scoped_id
 from kvferry.convert import sampling_from_proto
 from kvferry.engine.block_hash import block_keys, salt_key
 from kvferry.engine.request import InvalidRequestError, SamplingParams, validate_request
 from kvferry.engine.structured import CompilerBusy, Grammars, StructuredOutputError, compile_off_loop
 from kvferry.router.inflight import Inflight, RequestRejected, error_code
 from kvferry.router.limits import check_limits
+from kvferry.settings import split_key_spec
 from kvferry.v1 import generate_pb2, worker_pb2
 
 # the retry hint of a refusal for a full router (Retry-After / retry-after-ms): a slot frees when any
@@ -32,32 +33,42 @@ COMPILE_RETRY_AFTER_S = 1.0  # the same, for a full queue of constraints to comp
 
 @dataclass(frozen=True)
 class KeyPolicy:
-    """What requests made with one API key may do: ask for a priority no lower than `min_priority`, hold
-    at most `max_inflight` sequences at once (0: no limit but --max-inflight)."""
+    """What requests made with one API key may do: ask for a priority no lower than `min_priority` (an
+    unset one is raised to it), hold at most `max_inflight` sequences at once (0: no limit but
+    --max-inflight), ask for at most `tokens_per_min` tokens a minute (0: no limit), and share cached
+    prefixes with the keys of its `cache_group` ("": with none)."""
 
     min_priority: int = 0
     max_inflight: int = 0
+    tokens_per_min: int = 0
+    cache_group: str = ""
 
 
 def key_policies(cfg: RouterConfig) -> dict[str, KeyPolicy]:
-    """owner -> the policy of each key given options (`KEY:min_priority=N:max_inflight=N`), the
-    router's defaults (--min-priority, --max-inflight-per-key) for what the key leaves out."""
+    """owner -> the policy of each key given options (`KEY:option=value:...`), the router's defaults
+    (--min-priority, --max-inflight-per-key, --tokens-per-min-per-key) for what the key leaves out."""
     out = {}
+    defaults = default_policy(cfg)
     for spec in cfg.api_keys:
         key, options = split_key_spec(spec)
         if options:
-            own = {"min_priority": cfg.min_priority, "max_inflight": cfg.max_inflight_per_key} | options
-            out[owner_of_key(key)] = KeyPolicy(**own)
+            out[owner_of_key(key)] = replace(defaults, **options)
     return out
 
 
-def tenant_salt(cache_salt: str, owner: str, scope: str) -> str:
+def default_policy(cfg: RouterConfig) -> KeyPolicy:
+    return KeyPolicy(cfg.min_priority, cfg.max_inflight_per_key, cfg.tokens_per_min_per_key)
+
+
+def tenant_salt(cache_salt: str, owner: str, scope: str, group: str = "") -> str:
     """The salt a request's block keys are made with: its own `cache_salt` and, with --prefix-cache-scope
-    key, its API key's identity (`owner`: a digest, never the key), so that requests of different keys
-    share no cached block; a request without a key (an open cluster) keeps its salt as it is."""
+    key, its API key's identity (`owner`: a digest, never the key) or its key's cache group (`group`),
+    so that requests of different keys (groups) share no cached block; a request without a key (an open
+    cluster) keeps its salt as it is."""
     if scope != "key" or not owner:
         return cache_salt
-    return f"owner:{owner}\0{cache_salt}"
+    who = f"group:{group}" if group else f"owner:{owner}"
+    return f"{who}\0{cache_salt}"
 
 
 if TYPE_CHECKING:
@@ -92,7 +103,7 @@ class Admission:
         self.slo = slo
         self.inflight: dict[str, Inflight] = {}
         self._grammars: Grammars | None = None
-        self.default_policy = KeyPolicy(cfg.min_priority, cfg.max_inflight_per_key)
+        self.default_policy = default_policy(cfg)
         self.policies = key_policies(cfg)  # owner -> its key's own policy
         self.per_owner: Counter[str] = Counter()  # sequences in flight per owner (an API key's digest)
 
@@ -163,6 +174,8 @@ class Admission:
         sequences (n) within the key's share of the slots (RESOURCE_EXHAUSTED with a retry hint).
         `new`: not a resume (which asks for no priority and holds one sequence already running)."""
         policy = self.policy(owner)
+        if new and request.priority == 0 and policy.min_priority > 0:
+            request.priority = policy.min_priority  # unset (proto3's 0): the key's floor
         if new and request.priority < policy.min_priority:
             raise InvalidRequestError(
                 f"priority: at least {policy.min_priority} for this API key (lower is more urgent, and "
@@ -220,6 +233,10 @@ class Admission:
         handle = self.enter(request, timeout, api, owner)
         try:
             handle.ids, handle.params = await self.prepare(request, fill_max_tokens)
+            if owner:
+                await self.charge(
+                    owner, len(handle.ids) + handle.params.max_tokens * max(1, request.sampling.n)
+                )
             self.metrics.traffic.arrived(len(handle.ids))  # the planner's demand: refused ones count
             handle.priority = request.priority
             if not self.cfg.colocated:  # (both Redis reads at once: the pool's, the backlogs)
@@ -236,6 +253,21 @@ class Admission:
         handle.cache_salt = request.cache_salt
         handle.track = self.metrics.track(api, handle.t0)
         return handle
+
+    async def charge(self, owner: str, tokens: int) -> None:
+        """Count `tokens` against the key's tokens_per_min, over every router (in Redis): past it,
+        RESOURCE_EXHAUSTED with the wait until the minute's end."""
+        limit = self.policy(owner).tokens_per_min
+        if limit <= 0:
+            return
+        wait_s = await asyncio.to_thread(self.meta.charge_tokens, owner, tokens, limit)
+        if wait_s > 0:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key asked for more than its {limit} tokens a minute (this request: {tokens}); "
+                f"retry in {wait_s:.0f} s",
+                retry_after_s=wait_s,
+            )
 
     async def prepare(
         self, request: generate_pb2.GenerateRequest, fill_max_tokens: bool
@@ -297,7 +329,8 @@ class Admission:
         holds (its one lookup): what predicting its TTFT and choosing its prefill worker take."""
         model = self.directory.model
         fingerprint = bytes.fromhex(model.fingerprint)
-        salt = salt_key(tenant_salt(cache_salt, handle.owner, self.cfg.prefix_cache_scope))
+        group = self.policy(handle.owner).cache_group
+        salt = salt_key(tenant_salt(cache_salt, handle.owner, self.cfg.prefix_cache_scope, group))
         keys = block_keys(handle.ids, model.block_size, fingerprint, salt)
         handle.prompt_keys = worker_pb2.PromptKeys(
             fingerprint=fingerprint, block_keys=keys, salt_key=salt or b""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.flags import LAUNCHER, SECRET, meta
-from kvferry.settings import API_KEY_ENV
+from kvferry.settings import API_KEY_ENV, read_key_file, split_key_spec
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ROUTING_MODES = ("kv-aware", "least-load")  # router.prefix_routing
@@ -80,11 +80,18 @@ class RouterConfig:
         repr=False,
         metadata=meta(
             f"a bearer key clients must send (repeatable; also ${API_KEY_ENV}, comma-separated, which keeps "
-            "the keys out of ps); none: the API is open. KEY:min_priority=N:max_inflight=N gives that key "
-            "its own priority floor and sequences in flight",
+            "the keys out of ps; or --api-keys-file); none: the API is open. KEY:option=value:... gives that "
+            "key its own min_priority, max_inflight, tokens_per_min and cache_group",
             flag="api-key",
             metavar="KEY",
             secret=True,
+        ),
+    )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata=meta(
+            "a file of API keys, one KEY[:option=value:...] a line (# starts a comment line): many keys, "
+            "none of them in ps or the environment; read at start"
         ),
     )
     ssl_certfile: str | None = field(
@@ -149,6 +156,14 @@ class RouterConfig:
             "--max-inflight): no key takes every slot"
         ),
     )
+    tokens_per_min_per_key: int = field(
+        default=0,
+        metadata=meta(
+            "tokens an API key may ask for a minute, over every router of the cluster (a request's prompt "
+            "plus max_tokens for each of its n; counted in Redis; 0: no limit): past it, 429 with "
+            "Retry-After until the minute's end"
+        ),
+    )
     min_priority: int = field(
         default=0,
         metadata=meta(
@@ -187,6 +202,23 @@ class RouterConfig:
             flag="routers",
         ),
     )
+
+    def key_specs(self) -> tuple[str, ...]:
+        """Every API key spec the router takes: --api-key's and the lines of --api-keys-file (read now),
+        each checked: ValueError naming the bad one (the one check of them: the router's start and
+        `kvferry up`'s, before anything runs)."""
+        specs = self.api_keys
+        if self.api_keys_file:
+            try:
+                specs = (*specs, *read_key_file(self.api_keys_file))
+            except OSError as err:
+                raise ValueError(f"--api-keys-file: {err}") from None
+        for spec in self.api_keys:
+            try:
+                split_key_spec(spec)
+            except ValueError as err:
+                raise ValueError(f"--api-key: {err}") from None
+        return specs
 
     def __post_init__(self):
         for name in ("served_model_name", "api_keys"):  # a cluster file's one name, or a list of them

@@ -33,6 +33,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,7 +46,6 @@ from kvferry.auth import (
     owner_of,
     scoped_id,
     server_interceptors,
-    split_key_spec,
 )
 from kvferry.convert import logprob_from_proto
 from kvferry.engine.output import OutputState
@@ -387,15 +387,27 @@ def _bind(server: grpc.aio.Server, cfg: RouterConfig) -> int:
     return port
 
 
+# What one client connection may hold of the router, beyond a message's size (--max-request-bytes):
+# metadata (headers) of at most 16 KiB a call; at most 256 calls open at once; and a connection with
+# no call open for 5 minutes is closed (GOAWAY), so idle connections do not pile up.
+CLIENT_BOUNDS = [
+    ("grpc.max_metadata_size", 16 * 1024),
+    ("grpc.max_concurrent_streams", 256),
+    ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
+]
+
+
 async def serve(cfg: RouterConfig, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> None:
     router = Router(cfg)
     options = [  # a request is small (limits.py); only the receive side is bounded tighter
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", cfg.max_request_bytes),
         *SERVER_KEEPALIVE,  # clients' keepalive pings
+        *CLIENT_BOUNDS,
     ]
     # API keys gate the public API (the cluster secret opens it too); without keys it is open, as HTTP is
-    gate = server_interceptors(router.credentials, aio=True) if cfg.api_keys else []
+    refused = lambda method: router.metrics.request_error("grpc", "UNAUTHENTICATED")  # noqa: E731
+    gate = server_interceptors(router.credentials, aio=True, on_refuse=refused) if cfg.api_keys else []
     server = grpc.aio.server(options=options, interceptors=gate)
     generate_pb2_grpc.add_GenerationServicer_to_server(router, server)
     names = service_names(generate_pb2.DESCRIPTOR)
@@ -484,11 +496,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = config_from(args, RouterConfig, api_keys=(*(args.api_key or ()), *load_settings().api_keys))
-    for spec in cfg.api_keys:
-        try:
-            split_key_spec(spec)
-        except ValueError as err:
-            p.error(f"--api-key: {err}")
+    try:  # the keys file's keys join the others: every part of the router sees one list
+        cfg = replace(cfg, api_keys=cfg.key_specs(), api_keys_file=None)
+    except ValueError as err:
+        p.error(str(err))
 
     async def run() -> None:
         stop = asyncio.Event()

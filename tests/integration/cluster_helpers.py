@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from kvferry.deploy.config import ClusterConfig, PoolConfig, RouterConfig, Worke
 from kvferry.deploy.fault_harness import wait_for  # the fault harness's: one condition wait for both
 from kvferry.deploy.local import LocalCluster, expected_members
 from kvferry.kvpool.metadata import MetadataStore
+from kvferry.proc import free_port, terminate
 from kvferry.router.client import build_request
 from kvferry.v1 import pool_pb2, pool_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -167,11 +169,14 @@ def metric(target, name: str, **labels) -> float:
     return total
 
 
-def post(url: str, body: dict | bytes, *, timeout: float = 60, with_headers: bool = False):
-    """POST `body` (JSON, or bytes as they are) to `url`: (status, the JSON reply), an error status
-    included; (status, headers lower-cased, reply) `with_headers`."""
+def post(
+    url: str, body: dict | bytes, *, timeout: float = 60, with_headers: bool = False, key: str | None = None
+):
+    """POST `body` (JSON, or bytes as they are) to `url` (with API key `key`): (status, the JSON reply),
+    an error status included; (status, headers lower-cased, reply) `with_headers`."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url, data, headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             status, headers, text = reply.status, reply.headers, reply.read()
@@ -333,3 +338,24 @@ def kvferry_up(model_dir, log_dir, *flags: str, timeout_s: float = 240) -> Itera
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+class ExtraRouter:
+    """A router process (`python -m kvferry.router`) on the cluster's registry, with extra flags."""
+
+    def __init__(self, cluster, log_path, *flags: str, env: dict | None = None):
+        self.port, self.http_port = free_port(), free_port()
+        argv = [
+            *(sys.executable, "-m", "kvferry.router", "--model", str(cluster.model_dir)),
+            *("--redis-url", cluster.redis_url, "--namespace", cluster.cfg.namespace),
+            *("--port", str(self.port), "--http-port", str(self.http_port), *flags),
+        ]
+        self.log = log_path
+        with open(log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self.addr = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        terminate([self.proc], 10)

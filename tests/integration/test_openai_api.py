@@ -4,12 +4,10 @@ admits 4 requests at once and serves the model as kvferry-tiny; this module is i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -219,46 +217,6 @@ def test_every_error_is_counted_and_the_connection_stays_usable(cluster):
     assert metric(cluster, errors, api="http", code="400") == before["400"] + 3
     assert metric(cluster, errors, api="http", code="404") == before["404"] + 1
     code, _ = post(url, {"prompt": "x", "max_tokens": 2})
-    assert code == 200
-
-
-def router_rss_bytes(cluster) -> int:
-    pid = next(c for c in cluster.children if c.name == "router").proc.pid
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def test_a_chunked_body_is_cut_at_the_limit_and_a_stalled_one_dropped(cluster):
-    host, port = cluster.http_url.removeprefix("http://").split(":")
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-    rss = router_rss_bytes(cluster)
-    # 64 MiB offered in 1 MiB chunks (no Content-Length): refused once 4 MiB have come, the rest unread
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
-        chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
-        reply = b""
-        with contextlib.suppress(OSError):  # the router closes the connection on the rest
-            for _ in range(64):
-                sock.sendall(chunk)
-        sock.settimeout(30)
-        with contextlib.suppress(OSError):
-            while b"accepted" not in reply:
-                piece = sock.recv(65536)
-                if not piece:
-                    break
-                reply += piece
-    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
-    assert b"at most 4194304" in reply
-    assert router_rss_bytes(cluster) - rss < 48 * 2**20  # it never held the 64 MiB
-    # a body that stops coming: 408 after the body timeout, not a connection held forever
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f'{head}Content-Length: 100\r\n\r\n{{"prompt"'.encode())
-        t0 = time.monotonic()
-        status, reply = raw_request(sock, "")
-        waited = time.monotonic() - t0
-    assert status == 408 and "stalled" in reply["error"]["message"], reply
-    assert BODY_TIMEOUT_S * 0.9 < waited < BODY_TIMEOUT_S + 10
-    code, _ = post(cluster.http_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert code == 200
 
 

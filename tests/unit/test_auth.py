@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvferry import auth, rpc
+from kvferry import auth, rpc, settings
 
 
 def _list_services(channel, metadata=()) -> list[str]:
@@ -108,18 +108,23 @@ def test_credentials_check_without_requirements_accepts_anything():
 
 
 def test_an_api_key_spec_gives_the_key_and_its_options():
-    assert auth.split_key_spec("sk-1") == ("sk-1", {})
-    assert auth.split_key_spec("sk-1:min_priority=-5:max_inflight=8") == (
+    assert settings.split_key_spec("sk-1") == ("sk-1", {})
+    assert settings.split_key_spec("sk-1:min_priority=-5:max_inflight=8") == (
         "sk-1",
         {"min_priority": -5, "max_inflight": 8},
     )
+    assert settings.split_key_spec("sk-1:tokens_per_min=900:cache_group=acme") == (
+        "sk-1",
+        {"tokens_per_min": 900, "cache_group": "acme"},
+    )
     for bad, words in (
-        ("sk-1:burst=3", "expected one of min_priority, max_inflight"),
+        ("sk-1:burst=3", "expected one of min_priority, max_inflight, tokens_per_min, cache_group"),
+        ("sk-1:cache_group=", "cache_group: empty"),
         ("sk-1:max_inflight=many", "not an integer"),
         (":max_inflight=2", "without a key"),
     ):
         with pytest.raises(ValueError, match=words):
-            auth.split_key_spec(bad)
+            settings.split_key_spec(bad)
     # what clients send is the key alone, and it is what the server checks
     creds = auth.Credentials(None, ["sk-1:max_inflight=8", "sk-2"])
     assert creds.key_ok("sk-1") and creds.key_ok("sk-2") and not creds.key_ok("sk-1:max_inflight=8")
@@ -129,8 +134,59 @@ def test_key_policies_and_salts():
     from kvferry.router.admission import KeyPolicy, key_policies, tenant_salt
     from kvferry.router.config import RouterConfig
 
-    cfg = RouterConfig(api_keys=("a", "b:min_priority=-3"), min_priority=1, max_inflight_per_key=4)
-    assert key_policies(cfg) == {auth.owner_of_key("b"): KeyPolicy(min_priority=-3, max_inflight=4)}
+    cfg = RouterConfig(
+        api_keys=("a", "b:min_priority=-3", "c:cache_group=g"),
+        min_priority=1,
+        max_inflight_per_key=4,
+        tokens_per_min_per_key=500,
+    )
+    assert key_policies(cfg) == {
+        auth.owner_of_key("b"): KeyPolicy(min_priority=-3, max_inflight=4, tokens_per_min=500),
+        auth.owner_of_key("c"): KeyPolicy(
+            min_priority=1, max_inflight=4, tokens_per_min=500, cache_group="g"
+        ),
+    }
     assert tenant_salt("s", "", "key") == "s"  # no key: as it is
     assert tenant_salt("s", "o1", "key") != tenant_salt("s", "o2", "key") != "s"
     assert tenant_salt("s", "o1", "cluster") == "s"
+    # keys of one cache group salt alike, and unlike any key outside it
+    assert (
+        tenant_salt("s", "o1", "key", "g")
+        == tenant_salt("s", "o2", "key", "g")
+        != tenant_salt("s", "o1", "key")
+    )
+
+
+def test_the_keys_file_and_the_one_check_of_key_specs(tmp_path):
+    from kvferry.router.config import RouterConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\n\nk-1\n  k-2:max_inflight=3  \n#k-3\n")
+    assert settings.read_key_file(str(keys)) == ("k-1", "k-2:max_inflight=3")
+    assert RouterConfig(api_keys=("k-0",), api_keys_file=str(keys)).key_specs() == (
+        "k-0",
+        "k-1",
+        "k-2:max_inflight=3",
+    )
+    keys.write_text("k-1\nk-2:max_inflight=lots\n")
+    with pytest.raises(ValueError, match="keys:2: API key option max_inflight"):
+        RouterConfig(api_keys_file=str(keys)).key_specs()
+    with pytest.raises(ValueError, match=r"--api-keys-file: .*No such file"):
+        RouterConfig(api_keys_file=str(tmp_path / "missing")).key_specs()
+    with pytest.raises(ValueError, match="--api-key: API key option"):
+        RouterConfig(api_keys=("k:oops",)).key_specs()
+
+
+def test_tokens_a_minute_are_counted_in_redis_for_every_router(redis_url):
+    from kvferry.kvpool.metadata import MetadataStore
+
+    one, other = MetadataStore(redis_url, "rate-test"), MetadataStore(redis_url, "rate-test")  # two routers
+    now = 60 * 1000 + 15.0  # 15 s into a minute
+    assert one.charge_tokens("owner-a", 600, 1000, now) == 0
+    assert other.charge_tokens("owner-a", 600, 1000, now) == 45.0  # 1200 > 1000, whichever router counts
+    assert one.charge_tokens("owner-a", 400, 1000, now) == 0  # the refused one was not counted: 1000
+    assert one.charge_tokens("owner-a", 1, 1000, now + 44.5) == 1.0  # (at least a second)
+    assert one.charge_tokens("owner-a", 1, 1000, now + 45) == 0  # the next minute
+    assert one.charge_tokens("owner-b", 5000, 1000, now) == 0  # alone in its window, a big one passes
+    assert one.charge_tokens("owner-b", 1, 1000, now) > 0
+    assert 0 < one.client.ttl(f"kvf:rate-test:rate:owner-b:{int(now // 60)}") <= 120  # windows expire
