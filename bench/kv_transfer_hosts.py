@@ -127,7 +127,7 @@ def run_hosts(args, layout: BlockLayout, n_blocks: int) -> None:
         clients, pool, head = hosts[1], hosts[2], hosts[3]
         password = new_password()  # off loopback, redis admits only clients with its password
         # (the config in /var/tmp: each host has its own /tmp)
-        conf = write_redis_config(Path(tmp) / "redis.conf", password)
+        conf, _ = write_redis_config(Path(tmp) / "redis.conf", password)
         head.popen(redis_server_argv(head.address, REDIS_PORT, config=conf), stdout=subprocess.DEVNULL)
         url = wait_for_redis(head.address, REDIS_PORT, time.monotonic() + 20, password=password)
         pool.popen(

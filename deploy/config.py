@@ -166,7 +166,7 @@ class ClusterConfig:
     cluster_host: str = field(
         default="127.0.0.1",
         metadata=meta(
-            "the address workers, pool nodes, redis and the groups' TCPStores bind (never a wildcard; only "
+            "the address workers, pool nodes, redis and the KV data plane bind (never a wildcard; only "
             "the router binds --host)"
         ),
     )

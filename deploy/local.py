@@ -7,8 +7,9 @@ the router reports every worker and pool node, prints a line with `ready` and th
 serves `kvferry scale` requests (deploy.scaling), and on SIGINT/SIGTERM stops the children a tier at a
 time in `kvferry.proc.STOP_ORDER` (workers drain while the router relays).
 
-Security: only the router binds `router.host` (`--host`); workers, pool nodes, redis and the groups'
-TCPStores bind `cluster_host` (127.0.0.1 by default). Every child gets the cluster secret in
+Security: only the router binds `router.host` (`--host`); workers, pool nodes, redis and the KV data
+plane bind `cluster_host` (127.0.0.1 by default; the data plane `pool.data_interface` when set), and
+groups meet in redis (kvpool.rendezvous), not in a store of their own. Every child gets the cluster secret in
 `KVFERRY_CLUSTER_SECRET` (kvferry.auth; never on a command line), and so does this process, whose
 probes and clients then carry it. The redis-server asks for a random password (deploy.redis_server).
 The router gets its API keys in `KVFERRY_API_KEY`, and every pool node, worker and router the Redis

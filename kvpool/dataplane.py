@@ -198,6 +198,7 @@ class PairLink:
     device: torch.device
     timeout_s: float
     interface: str = ""  # PoolConfig.data_interface ("": `host`)
+    store: dist.Store | None = None  # the pair group's rendezvous, kept while the group lives
     staging: Staging = field(init=False)
     group: dist.ProcessGroup | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -368,7 +369,7 @@ class PairLink:
                 if time.monotonic() > deadline:
                     raise concurrent.futures.TimeoutError()
                 concurrent.futures.wait([joined], timeout=0.01)
-            group = joined.result(timeout=0)
+            group, store = joined.result(timeout=0)
             reply.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # store unreachable, peer never joined, RPC failed: the node is down
             if reply is not None:
@@ -377,7 +378,7 @@ class PairLink:
             if isinstance(err, concurrent.futures.TimeoutError):
                 err = TimeoutError(f"no pair group after {self.timeout_s}s")
             raise PoolError(f"cannot connect to pool node {self.node_id}: {err}") from err
-        self.group, self.next_tag, self.pending = group, 1, {}
+        self.group, self.store, self.next_tag, self.pending = group, store, 1, {}
         threading.Thread(
             target=self._answers, args=(group,), name=f"kv-ans-{self.node_id}", daemon=True
         ).start()
@@ -393,7 +394,7 @@ class PairLink:
             try:
                 store = self.rendezvous(name, self.timeout_s)
                 group = make_pair_group(store, name, 1, backend, self.host, self.timeout_s, self.interface)
-                joined.set_result(group)
+                joined.set_result((group, store))
             except Exception as err:
                 joined.set_exception(err)
 

@@ -164,9 +164,9 @@ def request_digest(request_id: str) -> int:
 
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
     """The one way a kvferry process opens the cluster's Redis. A `rediss://` URL speaks TLS: the
-    server's certificate must chain to the cluster CA when this process has internal TLS material
-    (kvferry.auth.tls_material: the launcher's redis-server holds a leaf of that CA), else to the
-    system's roots."""
+    server's certificate must chain to the system's roots (a managed Redis) or, when this process has
+    internal TLS material (kvferry.auth.tls_material), to the cluster CA (the launchers' redis-server
+    holds a leaf of it): redis-py adds the CA to the default roots."""
     extra = {}
     if url.startswith("rediss://"):
         tls = tls_material()

@@ -89,6 +89,7 @@ class Peer:
     group: dist.ProcessGroup
     staging: Staging
     name: str = ""
+    store: dist.Store | None = None  # its rendezvous: kept while the group lives (a lazy NCCL init reads it)
     closed: bool = False
     answered: int = 0  # put answers sent: the next goes on answer_tag(answered)
     answer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -187,8 +188,9 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"pool node {self.node_id} keeps blocks on CPU"
             )
         try:
+            store = self.meta.rendezvous(request.group_name, self.cfg.transfer_timeout_s)
             group = make_pair_group(
-                self.meta.rendezvous(request.group_name, self.cfg.transfer_timeout_s),
+                store,
                 request.group_name,
                 0,
                 request.backend or "gloo",
@@ -198,7 +200,7 @@ class PoolNode(pool_pb2_grpc.KVPoolServicer):
             )
         except Exception as err:  # the peer never joined, or the backend failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair group {request.group_name!r} failed: {err}")
-        peer = Peer(request.peer_id, group, Staging(self.slab.dtype, self.device), request.group_name)
+        peer = Peer(request.peer_id, group, Staging(self.slab.dtype, self.device), request.group_name, store)
         with self.lock:
             old = self.peers.get(request.peer_id)
             self.peers[request.peer_id] = peer

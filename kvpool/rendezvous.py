@@ -59,7 +59,8 @@ class RedisStore(dist.Store):
         return bytes(out)
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
-        limit = self.timeout_s if timeout is None else timeout.total_seconds()
+        # (torch's "no timeout" is 0: the store's own then, never forever)
+        limit = self.timeout_s if not timeout else timeout.total_seconds()
         deadline = time.monotonic() + limit
         for key in keys:
             self._wait_for(key, max(0.0, deadline - time.monotonic()))

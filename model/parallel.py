@@ -1,13 +1,14 @@
 """Process groups for tensor- and expert-parallel groups, and how a model is split across their ranks.
 
-A group of N ranks holds two process groups over one TCPStore: `cpu` (always gloo: control messages,
-step inputs, the lock-step sync) and `device` (the tensors of the forward pass: NCCL when the ranks
-run on CUDA, the same gloo group on CPU). `Comm` calls the process-group objects directly rather
-than through the global default group, so several groups (and, in tests, several ranks as threads)
-can live in one process. A `Comm` of size 1 turns every collective into a no-op. A group is formed
-with a long timeout (SETUP_TIMEOUT_S: every rank joins and loads its weights at its own pace); a
-serving group then shortens it (`Comm.set_timeout`), so a collective waiting on a hung rank fails
-within that time instead of holding the group for minutes.
+A group of N ranks holds two process groups over one store (a worker group's: its rendezvous in
+Redis): `cpu` (always gloo: control messages, step inputs, the lock-step sync) and `device` (the
+tensors of the forward pass: NCCL when the ranks run on CUDA, the same gloo group on CPU). `Comm`
+calls the process-group objects directly rather than through the global default group, so several
+groups (and, in tests, several ranks as threads) can live in one process. A `Comm` of size 1 turns
+every collective into a no-op. A group is formed with a long timeout (SETUP_TIMEOUT_S: every rank
+joins and loads its weights at its own pace); a serving group then shortens it (`Comm.set_timeout`),
+so a collective waiting on a hung rank fails within that time instead of holding the group for
+minutes.
 
 Tensor parallelism (Megatron): attention heads and KV heads are split across ranks (KV heads are
 replicated when ranks outnumber them), QKV and gate/up are column-parallel, the output and down

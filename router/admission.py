@@ -233,10 +233,6 @@ class Admission:
         handle = self.enter(request, timeout, api, owner)
         try:
             handle.ids, handle.params = await self.prepare(request, fill_max_tokens)
-            if owner:
-                await self.charge(
-                    owner, len(handle.ids) + handle.params.max_tokens * max(1, request.sampling.n)
-                )
             self.metrics.traffic.arrived(len(handle.ids))  # the planner's demand: refused ones count
             handle.priority = request.priority
             if not self.cfg.colocated:  # (both Redis reads at once: the pool's, the backlogs)
@@ -245,6 +241,10 @@ class Admission:
                 )
             if self.slo is not None:
                 self.slo.admit_by_slo(handle, request.slo)
+            if owner:  # last: a request refused before this costs its key nothing
+                await self.charge(
+                    owner, len(handle.ids) + handle.params.max_tokens * max(1, request.sampling.n)
+                )
         except BaseException as err:
             self.forget(handle.request_id)
             if isinstance(err, (InvalidRequestError, RequestRejected)):

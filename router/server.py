@@ -391,7 +391,8 @@ def _bind(server: grpc.aio.Server, cfg: RouterConfig) -> int:
 # metadata (headers) of at most 16 KiB a call; at most 256 calls open at once; and a connection with
 # no call open for 5 minutes is closed (GOAWAY), so idle connections do not pile up.
 CLIENT_BOUNDS = [
-    ("grpc.max_metadata_size", 16 * 1024),
+    ("grpc.max_metadata_size", 16 * 1024),  # (gRPC's soft limit: past it, some calls are refused...)
+    ("grpc.absolute_max_metadata_size", 16 * 1024),  # (...and past this one, every call)
     ("grpc.max_concurrent_streams", 256),
     ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
 ]

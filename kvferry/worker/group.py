@@ -37,7 +37,7 @@ class Group:
     size: int
     comm: Comm
     children: list[subprocess.Popen] = field(default_factory=list)
-    store: object = None  # the group's TCPStore (hosted by rank 0: kept alive with the group)
+    store: object = None  # the group's rendezvous store (kept alive with the group: NCCL may read it later)
 
     @classmethod
     def single(cls, group_id: str) -> Group:

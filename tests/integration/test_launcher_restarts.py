@@ -148,7 +148,7 @@ def listening(pids: dict[int, str]) -> set[str]:
 
 
 def test_only_the_router_listens_outside_the_cluster_host(launched):
-    """Workers, pool nodes (gRPC and their TCPStores) and redis listen on the cluster host; the router
+    """Workers, pool nodes (gRPC, gloo) and redis listen on the cluster host; the router
     (gRPC and HTTP) on its own host. No process listens on a wildcard address."""
     pids = {c.proc.pid: c.name for c in launched.children}
     found = listening(pids)
