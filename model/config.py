@@ -1,4 +1,6 @@
-"""Qwen3-MoE model configuration, read from a Hugging Face `config.json`."""
+"""Model configuration, read from a Hugging Face `config.json`: the architectures kvferry serves
+(`ARCHITECTURES`) share one decoder (`qwen3_moe.py`) that differs by what the config says: experts or
+a dense MLP per layer, RMS norms on q and k (Qwen3) or none (Llama), Llama 3's RoPE scaling."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import torch
 
 class ModelConfigError(ValueError):
     """The checkpoint's config.json is missing a field or asks for something kvferry does not support."""
+
+
+# HF `architectures` name -> whether its attention normalizes q and k per head (Qwen3's q_norm/k_norm)
+ARCHITECTURES = {"Qwen3MoeForCausalLM": True, "Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,10 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     name: str = "model"
+    architecture: str = "Qwen3MoeForCausalLM"
+    qk_norm: bool = True  # q_norm / k_norm on every head (Qwen3); Llama has none
+    # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original max positions); ()
+    rope_llama3: tuple[float, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -53,10 +63,19 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, name: str = "model") -> ModelConfig:
+        archs = raw.get("architectures") or ["Qwen3MoeForCausalLM"]
+        arch = archs[0] if isinstance(archs, list) and archs else archs
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(
+                f"architectures={arch!r} is not supported; kvferry serves {', '.join(ARCHITECTURES)}"
+            )
+        if raw.get("mlp_bias", False):
+            raise ModelConfigError("mlp_bias=true is not supported (no architecture kvferry serves has it)")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("attention_bias", False):
-            raise ModelConfigError("attention_bias=true is not supported by Qwen3-MoE in kvferry")
+            raise ModelConfigError(f"attention_bias=true is not supported ({arch} in kvferry has none)")
+        theta, llama3 = _rope(raw)
         try:
             heads = raw["num_attention_heads"]
             num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
@@ -75,13 +94,16 @@ class ModelConfig:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-                rope_theta=_rope_theta(raw),
+                rope_theta=theta,
                 rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=raw.get("max_position_embeddings", 32768),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
                 eos_token_ids=_token_ids(eos),
                 name=name,
+                architecture=arch,
+                qk_norm=ARCHITECTURES[arch],
+                rope_llama3=llama3,
             )
         except KeyError as missing:
             raise ModelConfigError(f"config.json has no {missing.args[0]!r}") from None
@@ -140,12 +162,20 @@ def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value if isinstance(value, list) else [] if value is None else [value])
 
 
-def _rope_theta(raw: dict) -> float:
+def _rope(raw: dict) -> tuple[float, tuple[float, ...]]:
+    """(rope_theta, Llama 3's scaling parameters or ()) from `rope_parameters` / `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ModelConfigError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, ()
+    if rope_type != "llama3":
+        raise ModelConfigError(f"rope_type={rope_type!r} is not supported (default RoPE, or llama3)")
+    try:
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, tuple(float(params[n]) for n in names)
+    except KeyError as missing:
+        raise ModelConfigError(f"rope_scaling (llama3) has no {missing.args[0]!r}") from None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from kvferry.model.chat_template import CHATML
 from kvferry.model.config import ModelConfig, ModelConfigError
 
-SPECS = ("tiny", "bench", "trained", "draft")
+SPECS = ("tiny", "bench", "trained", "draft", "tiny-qwen3", "tiny-llama")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000
 INDEX_FILE = "model.safetensors.index.json"
@@ -133,9 +133,10 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
             p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
             p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
             p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
-            p + "self_attn.q_norm.weight": ((d,), 0.0),
-            p + "self_attn.k_norm.weight": ((d,), 0.0),
         }
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = ((d,), 0.0)
+            shapes[p + "self_attn.k_norm.weight"] = ((d,), 0.0)
         if cfg.is_moe_layer(i):
             inter = cfg.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = ((cfg.num_experts, h), 1.0 / h**0.5)

@@ -6,6 +6,8 @@ packed (`pack_weights`), one C++ kernel call. Modules carry `kernels` (set by `p
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -115,9 +117,11 @@ class RotaryEmbedding(nn.Module):
     and rotation takes one roll instead of a negate and a concatenation.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, llama3: tuple[float, ...] = ()):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if llama3:
+            inv_freq = llama3_inv_freq(inv_freq, *llama3)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
@@ -128,6 +132,21 @@ class RotaryEmbedding(nn.Module):
         # [T, 1, D] so they broadcast over heads of [T, H, D]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
+
+
+def llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: float
+) -> torch.Tensor:
+    """Llama 3's RoPE scaling (as transformers computes it): wavelengths past the original context's
+    over `low_freq_factor` are stretched by `factor`, those under it over `high_freq_factor` kept, and
+    the band between blended."""
+    low_wavelen, high_wavelen = original / low_freq_factor, original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

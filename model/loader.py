@@ -13,9 +13,8 @@ from safetensors import safe_open
 from torch import nn
 
 from kvferry.model.config import ModelConfig, ModelConfigError
-from kvferry.model.layers import RotaryEmbedding
 from kvferry.model.parallel import Parallel, ParallelConfigError, TPShard, check_ep, check_tp, expert_range
-from kvferry.model.qwen3_moe import Qwen3MoeModel
+from kvferry.model.qwen3_moe import Qwen3MoeModel, rotary_of
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def load_model(
     # dtype and device: peak memory is the model plus one tensor, not a float32 copy of everything
     with torch.device("meta"):
         model = Qwen3MoeModel(cfg, max_positions, parallel)
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+    model.rotary = rotary_of(cfg, max_positions)  # (real tables: the meta device held none)
     model.rotary.to(device)
     params = dict(model.named_parameters())
     split = _Split(cfg, parallel)
@@ -149,8 +148,9 @@ def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[]
         plan[ours + "post_attn_norm.weight"] = lambda p=hf: r.get(p + "post_attention_layernorm.weight")
         plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
         plan[ours + "attn.o"] = lambda p=attn: r.get(p + "o_proj.weight")
-        plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
-        plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
+        if cfg.qk_norm:
+            plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
+            plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
         mlp = hf + "mlp."
         if cfg.is_moe_layer(i):
             plan[ours + "mlp.router"] = lambda p=mlp: r.get(p + "gate.weight")

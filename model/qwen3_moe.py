@@ -1,4 +1,6 @@
-"""Qwen3-MoE decoder over a paged KV cache (the HF `Qwen3MoeForCausalLM` network, inference only)."""
+"""The decoder over a paged KV cache, inference only: HF's `Qwen3MoeForCausalLM` network, which with
+no experts is `Qwen3ForCausalLM` and, without q/k norms and with Llama 3's RoPE, `LlamaForCausalLM`
+(`config.ARCHITECTURES`)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ class Attention(nn.Module):
             torch.empty(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d), requires_grad=False
         )
         self.o = nn.Parameter(torch.empty(self.num_heads * d, cfg.hidden_size), requires_grad=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm  # Qwen3's per-head norms of q and k; Llama has none
+        if self.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
         self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`)
         self.bf16_products = False  # a bf16 model on them: bf16 prefill attention products (AMX path)
@@ -46,7 +50,7 @@ class Attention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        if self.cpu_kernels:  # norms, rotation and the K/V cache writes in one call
+        if self.cpu_kernels and self.qk_norm:  # norms, rotation and the K/V cache writes in one call
             qk = cpu_ops().qk_norm_rope_store(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, *kv,
                 meta.slot_blocks, meta.slot_offsets, hq,
@@ -54,8 +58,11 @@ class Attention(nn.Module):
         else:
             # q and k heads are adjacent: normalise (each with its own weight) and rotate them in one pass
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-            weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
-            qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), *rope)
+            if self.qk_norm:
+                weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
+                qk = rms_norm(qk, weight, self.q_norm.eps)
+            cos, sin = (r.unsqueeze(1) if r.dim() == 2 else r for r in rope)  # the kernels' tables: [T, D]
+            qk = apply_rotary(qk, cos, sin)
             write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         backend = "cpu" if self.cpu_kernels else "triton" if self.triton else "torch"
@@ -109,6 +116,13 @@ class DecoderLayer(nn.Module):
         return (self.tp.all_reduce(out) if self.mlp_partial else out), residual
 
 
+def rotary_of(cfg: ModelConfig, max_positions: int | None = None) -> RotaryEmbedding:
+    """The model's RoPE tables (its theta, and Llama 3's scaling where the config has it)."""
+    return RotaryEmbedding(
+        cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3
+    )
+
+
 class Qwen3MoeModel(nn.Module):
     PACKED = ("lm_head",)
 
@@ -128,9 +142,7 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, vocab_rows), requires_grad=False)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
-        )
+        self.rotary = rotary_of(cfg, max_positions)
 
     @torch.inference_mode()
     def forward(
@@ -166,9 +178,11 @@ class Qwen3MoeModel(nn.Module):
 
     def _collect_decode_weights(self) -> list[torch.Tensor]:
         """The weights `decode_layers` takes, 9 per layer; empty where a layer is not one it runs (tensor
-        or expert parallelism)."""
-        if self.parallel.tp.size > 1 or not all(
-            isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers
+        or expert parallelism, attention without q/k norms)."""
+        if (
+            not self.cfg.qk_norm
+            or self.parallel.tp.size > 1
+            or not all(isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers)
         ):
             return []
         out = []

@@ -62,6 +62,18 @@ def tiny_model_dir(kvferry_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(kvferry_cache) -> Path:
+    """A dense Qwen3 (Qwen3ForCausalLM) of the tiny model's size."""
+    return create_model("tiny-qwen3", kvferry_cache / "models" / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(kvferry_cache) -> Path:
+    """A dense Llama 3 (LlamaForCausalLM: no q/k norms, Llama 3.1's RoPE scaling) of that size."""
+    return create_model("tiny-llama", kvferry_cache / "models" / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
 def second_model_dir(kvferry_cache) -> Path:
     out = kvferry_cache / "models" / "second"
     return create_from_spec(SECOND_SPEC, out, seed=7, max_shard_bytes=1_000_000)

@@ -139,6 +139,28 @@ def test_greedy_parity(cluster_for, prompts, reference, controls_reference, tp, 
         members.close()
 
 
+def test_a_dense_llama_through_tp_prefill_and_the_pool(
+    redis_server, tiny_llama_dir, tmp_path_factory, prompts, hf_greedy
+):
+    """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling): a TP=2 prefill group hands its KV to a
+    decode worker through the pool, exact against transformers; the shared-prefix prompt hits."""
+    reference = hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
+    cluster = start(
+        redis_server, tiny_llama_dir, tmp_path_factory, "llama", group(tensor_parallel_size=2), group()
+    )
+    with cluster:
+        got = run_all(cluster.router_addr, prompts)
+        for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on the dense Llama"
+        members = Members(cluster)
+        try:
+            prefill = members.stats("prefill")
+            assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(2, 0)]
+            assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
+        finally:
+            members.close()
+
+
 @pytest.mark.shared_cluster(**corner(2, 2))
 def test_groups_drain_as_one_on_sigterm(cluster_for):
     """SIGTERM to a TP=2 prefill leader and an EP=2 decode group's rank 0 while both decode ranks hold

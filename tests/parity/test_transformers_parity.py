@@ -1,4 +1,5 @@
-"""kvferry's model and engine against `transformers.Qwen3MoeForCausalLM` on the same checkpoint (float32)."""
+"""kvferry's model and engine against transformers on the same checkpoint (float32): Qwen3-MoE (two
+shapes), dense Qwen3 and Llama 3 (`Qwen3ForCausalLM`, `LlamaForCausalLM`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["tiny_model_dir", "second_model_dir"])
+@pytest.fixture(
+    scope="module", params=["tiny_model_dir", "second_model_dir", "tiny_qwen3_dir", "tiny_llama_dir"]
+)
 def checkpoint(request):
     return request.getfixturevalue(request.param)
 
@@ -297,12 +300,14 @@ def test_speculative_draft_model_greedy_matches_transformers(
     checkpoint, prompts, reference, tiny_model_dir, five_expert_model_dir, draft
 ):
     """The draft-model proposer gives the non-speculative greedy tokens (transformers'): with the target
-    as its own draft every draft is accepted; with another model on the tokenizer some are, some not. A
-    draft with another vocabulary (the second checkpoint's 4096 against tiny's 8192) is refused."""
+    as its own draft every draft is accepted; with another model on the tokenizer some are, some not (a
+    dense target with the MoE tiny as its draft, too). A draft with another vocabulary (the second
+    checkpoint's 4096 against tiny's 8192) is refused."""
     other = five_expert_model_dir if checkpoint == tiny_model_dir else tiny_model_dir
     model = str(checkpoint if draft == "itself" else other)
     spec = json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
-    if draft == "other" and checkpoint != tiny_model_dir:
+    vocab = {json.loads((d / "config.json").read_text())["vocab_size"] for d in (checkpoint, other)}
+    if draft == "other" and len(vocab) > 1:
         with pytest.raises(EngineConfigError, match="vocabulary"):
             make_engine(checkpoint, speculative_config=spec)
         return
