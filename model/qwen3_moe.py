@@ -32,6 +32,7 @@ class Attention(nn.Module):
         )
         self.o = nn.Parameter(torch.empty(self.num_heads * d, cfg.hidden_size), requires_grad=False)
         self.qk_norm = cfg.qk_norm  # Qwen3's per-head norms of q and k; Llama has none
+        self.eps = cfg.rms_norm_eps
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,24 +51,30 @@ class Attention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        if self.cpu_kernels and self.qk_norm:  # norms, rotation and the K/V cache writes in one call
+        if self.cpu_kernels:  # norms (if any), rotation and the K/V cache writes in one call
+            qw, kw = self.qk_norm_weights()
             qk = cpu_ops().qk_norm_rope_store(
-                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, *kv,
-                meta.slot_blocks, meta.slot_offsets, hq,
-            )  # fmt: skip
+                qkv, qw, kw, self.eps, *rope, *kv, meta.slot_blocks, meta.slot_offsets, hq
+            )
         else:
             # q and k heads are adjacent: normalise (each with its own weight) and rotate them in one pass
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
             if self.qk_norm:
                 weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)))
                 qk = rms_norm(qk, weight, self.q_norm.eps)
-            cos, sin = (r.unsqueeze(1) if r.dim() == 2 else r for r in rope)  # the kernels' tables: [T, D]
-            qk = apply_rotary(qk, cos, sin)
+            qk = apply_rotary(qk, *rope)
             write_kv(kv[0], kv[1], qk[:, hq:], v, meta)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         backend = "cpu" if self.cpu_kernels else "triton" if self.triton else "torch"
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend, self.bf16_products)
         return linear(out.reshape(t, hq * d), self.o)
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k norm weights as the C++ kernels take them (both empty: no norms, as in Llama)."""
+        if self.qk_norm:
+            return self.q_norm.weight, self.k_norm.weight
+        none = torch.empty(0, device=self.qkv.device)
+        return none, none
 
 
 class DecoderLayer(nn.Module):
@@ -178,18 +185,16 @@ class Qwen3MoeModel(nn.Module):
 
     def _collect_decode_weights(self) -> list[torch.Tensor]:
         """The weights `decode_layers` takes, 9 per layer; empty where a layer is not one it runs (tensor
-        or expert parallelism, attention without q/k norms)."""
-        if (
-            not self.cfg.qk_norm
-            or self.parallel.tp.size > 1
-            or not all(isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers)
+        or expert parallelism)."""
+        if self.parallel.tp.size > 1 or not all(
+            isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers
         ):
             return []
         out = []
         for layer in self.layers:
             attn, mlp = layer.attn, layer.mlp
             router = mlp.router if isinstance(mlp, SparseMoeBlock) else torch.empty(0)
-            out += [layer.input_norm.weight, attn.qkv, attn.q_norm.weight, attn.k_norm.weight, attn.o]
+            out += [layer.input_norm.weight, attn.qkv, *attn.qk_norm_weights(), attn.o]
             out += [layer.post_attn_norm.weight, router, mlp.w13, mlp.w2]
         return out
 

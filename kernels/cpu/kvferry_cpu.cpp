@@ -781,10 +781,10 @@ at::Tensor add_rms_norm(const at::Tensor& x_, at::Tensor& residual, const at::Te
   return out;
 }
 
-// qkv [T, (Hq + 2 Hkv) * D]: RMS-normalise every q and k head (q_weight / k_weight [D]) and rotate it (HF's
-// non-interleaved RoPE: x * cos + roll(x, D/2) * sin_signed, cos / sin_signed [T, D] at each token's
-// position); write k and v into their cache slots (caches [Hkv, num_blocks, bs, D]). Returns the rotated
-// q and k heads, [T, Hq + Hkv, D].
+// qkv [T, (Hq + 2 Hkv) * D]: RMS-normalise every q and k head (q_weight / k_weight [D]; both empty: no
+// norms, as in Llama) and rotate it (HF's non-interleaved RoPE: x * cos + roll(x, D/2) * sin_signed,
+// cos / sin_signed [T, D] at each token's position); write k and v into their cache slots (caches
+// [Hkv, num_blocks, bs, D]). Returns the rotated q and k heads, [T, Hq + Hkv, D].
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight, const at::Tensor& k_weight,
                               double eps, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_,
@@ -802,9 +802,13 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
                 width = qkv.size(1), heads = num_heads + hkv;
   TORCH_CHECK(width == (num_heads + 2 * hkv) * D, "qkv width does not match the heads");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D, "cos / sin must be [T, D]");
+  const bool norms = q_weight.numel() > 0;
+  TORCH_CHECK(norms == (k_weight.numel() > 0), "q_weight and k_weight: both given or both empty");
+  TORCH_CHECK(!norms || (q_weight.numel() == D && k_weight.numel() == D), "q/k norm weights must be [D]");
   auto qk = at::empty({T, heads, D}, qkv.options());
-  const float *src = qkv.data_ptr<float>(), *qw = q_weight.data_ptr<float>(), *kw = k_weight.data_ptr<float>(),
-              *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float *src = qkv.data_ptr<float>(), *qw = norms ? q_weight.data_ptr<float>() : nullptr,
+              *kw = norms ? k_weight.data_ptr<float>() : nullptr, *cp = cos.data_ptr<float>(),
+              *sp = sin.data_ptr<float>();
   const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
   float* qkp = qk.data_ptr<float>();
   char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
@@ -823,10 +827,14 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
       const float *c = cp + t * D, *s = sp + t * D;
       for (int64_t h = 0; h < heads; ++h) {
         const float* x = src + t * width + h * D;
-        const float* w = h < num_heads ? qw : kw;
-        const float scale = rms_scale(x, D, eps);
         float* n = normed.data();
-        for (int64_t i = 0; i < D; ++i) n[i] = x[i] * scale * w[i];
+        if (norms) {
+          const float* w = h < num_heads ? qw : kw;
+          const float scale = rms_scale(x, D, eps);
+          for (int64_t i = 0; i < D; ++i) n[i] = x[i] * scale * w[i];
+        } else {
+          std::copy_n(x, D, n);
+        }
         float* dst = qkp + (t * heads + h) * D;
         // x * cos + roll(x, D/2) * sin (sin's first half negated), as two halves so that both vectorize
         for (int64_t i = 0; i < half; ++i) dst[i] = n[i] * c[i] + n[i + half] * s[i];
@@ -1135,7 +1143,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
 // A whole decode step's decoder layers and final norm in one call (every token a decode, one rank, no
 // expert parallelism): the same kernels and ATen ops, in the same order, as the model's Python forward
 // with kernels on, without a Python round trip between them. x [T, H] is the embedded tokens; weights
-// holds 9 tensors per layer: input norm, packed qkv, q norm, k norm, packed o, post-attention norm,
+// holds 9 tensors per layer: input norm, packed qkv, q norm, k norm (both empty: none), packed o, post-attention norm,
 // router [H, E] (empty for a dense MLP layer), packed w13, packed w2. kv_cache [L, 2, Hkv, blocks, bs, D];
 // cos / sin [T, D]. Returns the final hidden states [T, H].
 at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tensor& kv_cache, const at::Tensor& cos,

@@ -143,11 +143,11 @@ def test_a_dense_llama_through_tp_prefill_and_the_pool(
     redis_server, tiny_llama_dir, tmp_path_factory, prompts, hf_greedy
 ):
     """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling): a TP=2 prefill group hands its KV to a
-    decode worker through the pool, exact against transformers; the shared-prefix prompt hits."""
+    decode worker through the pool, exact against transformers; the shared-prefix prompt hits. (An
+    expert-parallel decode group of a dense model is refused at launch: it has no experts to split.)"""
     reference = hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
-    cluster = start(
-        redis_server, tiny_llama_dir, tmp_path_factory, "llama", group(tensor_parallel_size=2), group()
-    )
+    prefill, decode = group(tensor_parallel_size=2), group()
+    cluster = start(redis_server, tiny_llama_dir, tmp_path_factory, "llama", prefill, decode)
     with cluster:
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):

@@ -70,18 +70,20 @@ def test_rms_norms():
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (6, 6, 16), (8, 1, 64)])
-def test_qk_norm_rope_store(hq, hkv, d):
+@pytest.mark.parametrize("norms", [True, False])  # Qwen3's q/k norms, or none (Llama: empty weights)
+def test_qk_norm_rope_store(hq, hkv, d, norms):
     t, num_blocks, bs = 5, 6, 4
     qkv = randn(t, (hq + 2 * hkv) * d)
-    q_w, k_w = randn(d), randn(d)
+    q_w, k_w = (randn(d), randn(d)) if norms else (torch.empty(0), torch.empty(0))
     cos, sin = randn(t, d), randn(t, d)
     blocks, offsets = torch.tensor([3, 3, 0, 5, 1]), torch.tensor([0, 1, 3, 2, 0])
     caches = torch.zeros(2, hkv, num_blocks, bs, d)
     k_cache, v_cache = caches
     qk = cpu.ops().qk_norm_rope_store(qkv, q_w, k_w, 1e-6, cos, sin, k_cache, v_cache, blocks, offsets, hq)
     heads = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-    weight = torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d)))
-    expected = apply_rotary(rms_norm(heads, weight, 1e-6), cos[:, None], sin[:, None])
+    if norms:
+        heads = rms_norm(heads, torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))), 1e-6)
+    expected = apply_rotary(heads, cos[:, None], sin[:, None])
     torch.testing.assert_close(qk, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][:, blocks, offsets], expected[:, hq:].transpose(0, 1))
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
