@@ -17,6 +17,8 @@ class ModelConfigError(ValueError):
 
 # HF `architectures` name -> whether its attention normalizes q and k per head (Qwen3's q_norm/k_norm)
 ARCHITECTURES = {"Qwen3MoeForCausalLM": True, "Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
+# a config.json without `architectures`: its `model_type` names it
+MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, name: str = "model") -> ModelConfig:
-        archs = raw.get("architectures") or ["Qwen3MoeForCausalLM"]
-        arch = archs[0] if isinstance(archs, list) and archs else archs
-        if arch not in ARCHITECTURES:
-            raise ModelConfigError(
-                f"architectures={arch!r} is not supported; kvferry serves {', '.join(ARCHITECTURES)}"
-            )
+        arch = _architecture(raw)
         if raw.get("mlp_bias", False):
             raise ModelConfigError("mlp_bias=true is not supported (no architecture kvferry serves has it)")
+        sliding = raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ())
+        if sliding:
+            raise ModelConfigError("use_sliding_window / sliding_attention layers are not supported")
+        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelConfigError(f"partial_rotary_factor={raw['partial_rotary_factor']} is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("attention_bias", False):
@@ -162,6 +164,26 @@ def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value if isinstance(value, list) else [] if value is None else [value])
 
 
+def _architecture(raw: dict) -> str:
+    """The config's architecture (`architectures`, else what `model_type` names), one kvferry serves."""
+    archs = raw.get("architectures")
+    if archs:
+        arch = archs[0] if isinstance(archs, list) else archs
+    elif raw.get("model_type") in MODEL_TYPES:
+        arch = MODEL_TYPES[raw["model_type"]]
+    elif raw.get("model_type") is not None:
+        raise ModelConfigError(
+            f"model_type={raw['model_type']!r} is not supported; kvferry serves {', '.join(MODEL_TYPES)}"
+        )
+    else:
+        arch = "Qwen3MoeForCausalLM"  # (kvferry's own early checkpoints named neither)
+    if arch not in ARCHITECTURES:
+        raise ModelConfigError(
+            f"architectures={arch!r} is not supported; kvferry serves {', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
 def _rope(raw: dict) -> tuple[float, tuple[float, ...]]:
     """(rope_theta, Llama 3's scaling parameters or ()) from `rope_parameters` / `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -175,7 +197,9 @@ def _rope(raw: dict) -> tuple[float, tuple[float, ...]]:
         names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return theta, tuple(float(params[n]) for n in names)
     except KeyError as missing:
-        raise ModelConfigError(f"rope_scaling (llama3) has no {missing.args[0]!r}") from None
+        raise ModelConfigError(
+            f"rope_scaling / rope_parameters (llama3) has no {missing.args[0]!r}"
+        ) from None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,4 +1,5 @@
-"""Deterministic default models: seeded weights in HF Qwen3-MoE layout and a locally trained BPE tokenizer.
+"""Deterministic default models: seeded weights in HF layout (Qwen3-MoE, or the dense Qwen3 / Llama
+specs) and a locally trained BPE tokenizer.
 
 `create_model("tiny", out)` writes config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json (with a ChatML chat template) and safetensors. The same spec, seed and Python
@@ -99,6 +100,8 @@ def create_from_spec(
         )
         dtype = getattr(torch, spec.get("torch_dtype", "bfloat16"))
         model_cfg = ModelConfig.from_dict(config)
+        if training is not None and (not model_cfg.qk_norm or model_cfg.rope_llama3):
+            raise ModelConfigError("a trained spec must be Qwen3 (train.py has q/k norms and plain RoPE)")
         if training is None:
             tensors = random_weights(model_cfg, seed, dtype)
         else:
@@ -116,7 +119,7 @@ def create_from_spec(
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Seeded tensors named as in HF Qwen3-MoE; each tensor has its own seed derived from its name."""
+    """Seeded tensors named as in HF (Qwen3-MoE, Qwen3, Llama); each has its own seed from its name."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[tuple[int, ...], float]] = {
         "model.embed_tokens.weight": ((cfg.vocab_size, h), 1.0),

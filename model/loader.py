@@ -1,4 +1,5 @@
-"""Load a Hugging Face Qwen3-MoE checkpoint directory (single-file or sharded safetensors)."""
+"""Load a Hugging Face checkpoint directory of an architecture kvferry serves (`config.ARCHITECTURES`;
+single-file or sharded safetensors)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def test_each_built_in_spec_is_its_architecture():
     assert (qwen3.architecture, qwen3.qk_norm, qwen3.num_experts) == ("Qwen3ForCausalLM", True, 0)
     assert not any(qwen3.is_moe_layer(i) for i in range(qwen3.num_layers))
     assert (llama.architecture, llama.qk_norm, llama.num_experts) == ("LlamaForCausalLM", False, 0)
-    assert llama.rope_llama3 == (8.0, 1.0, 4.0, 8192.0) and moe.rope_llama3 == ()
+    assert llama.rope_llama3 == (8.0, 1.0, 4.0, 2048.0) and moe.rope_llama3 == ()
 
 
 @pytest.mark.parametrize(
@@ -32,15 +32,23 @@ def test_each_built_in_spec_is_its_architecture():
         ({"attention_bias": True}, "attention_bias=true"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
-        (
-            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-            "rope_scaling \\(llama3\\) has no 'low_freq_factor'",
-        ),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "\\(llama3\\) has no 'low_freq_factor'"),
+        ({"use_sliding_window": True}, "sliding"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"architectures": None, "model_type": "mistral"}, "model_type='mistral' is not supported"),
     ],
 )
 def test_what_kvferry_cannot_honour_is_refused_by_name(change, words):
     with pytest.raises(ModelConfigError, match=words):
         ModelConfig.from_dict(load_spec("tiny-llama") | change)
+
+
+def test_a_config_without_architectures_is_named_by_its_model_type():
+    spec = load_spec("tiny-llama") | {"architectures": None}
+    assert ModelConfig.from_dict(spec).architecture == "LlamaForCausalLM"
+    moe = load_spec("tiny") | {"architectures": None}
+    assert ModelConfig.from_dict(moe).architecture == "Qwen3MoeForCausalLM"
 
 
 def test_llama3_rope_scaling_equals_transformers():
@@ -57,5 +65,5 @@ def test_llama3_rope_scaling_equals_transformers():
     torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=0)
     # and the scaling changes something: the long wavelengths are stretched
     plain = RotaryEmbedding(32, 64, spec["rope_theta"])
-    scaled = RotaryEmbedding(32, 64, spec["rope_theta"], (8.0, 1.0, 4.0, 8192.0))
+    scaled = RotaryEmbedding(32, 64, spec["rope_theta"], (8.0, 1.0, 4.0, 2048.0))
     assert not torch.equal(plain.cos, scaled.cos)

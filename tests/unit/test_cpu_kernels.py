@@ -230,10 +230,11 @@ def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir, make_engine):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("checkpoint", ["tiny_model_dir", "second_model_dir"])
+@pytest.mark.parametrize("checkpoint", ["tiny_model_dir", "second_model_dir", "tiny_llama_dir"])
 def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dtype):
     """A decode-only step in one decode_layers call gives bit for bit what the Python forward gives
-    (MoE with and without renormalisation, a dense layer, two sequences of different lengths)."""
+    (MoE with and without renormalisation, a dense layer, Llama's attention without q/k norms, two
+    sequences of different lengths)."""
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
