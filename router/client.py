@@ -22,7 +22,10 @@ from kvferry.v1 import generate_pb2, generate_pb2_grpc
 
 MAX_RESUMES = 3  # a stream is resumed at most this many times (each time its router went away)
 RESUME_WAIT_S = 30.0  # how long a resume waits for a router to be reachable (within the deadline)
-UNREACHABLE_WAIT_S = 2.0  # ... when the call never reached one (the one it reached may have just died)
+# ... when the call never reached one: shorter (maybe there is no router at all), but long enough to
+# ride through a lone router's restart (the launcher's 1 s backoff, then its start: 2-5 s on 2 busy
+# cores; at 2 s a request sent during the restart failed now and then)
+UNREACHABLE_WAIT_S = 10.0
 
 
 @dataclass
