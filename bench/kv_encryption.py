@@ -39,13 +39,11 @@ TRANSPORTS = ("gloo", "tcp", "tls")
 
 
 def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    wanted = ("aes", "vaes", "avx2", "avx512f", "amx_tile")
-    return " ".join(f for f in wanted if f in flags)
+    """The flags that decide these figures (AES-NI for TLS, the vector widths), as the kernels read them."""
+    from kvferry.kernels.cpu import cpu_flags as flags
+
+    have = flags()
+    return " ".join(f for f in ("aes", "vaes", "avx2", "avx512f", "amx_tile") if f in have)
 
 
 # -- the two roles -----------------------------------------------------------------------------------------

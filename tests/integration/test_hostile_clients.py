@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 import grpc
 import pytest
 import redis
-from cluster_helpers import ExtraRouter, post, wait_for
+from cluster_helpers import ExtraRouter, greedy, metric, post, wait_for
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -74,7 +74,7 @@ def rss(pid: int) -> int:
 
 
 def short(**kw) -> generate_pb2.GenerateRequest:
-    return build_request(prompt_token_ids=[5, 6, 7, 8], max_tokens=3, temperature=0.0, ignore_eos=True, **kw)
+    return greedy([5, 6, 7, 8], 3, **kw)
 
 
 def served(router: ExtraRouter, key: str) -> bool:
@@ -107,7 +107,7 @@ def served_and_bounded(h: Hostile) -> float:
     """A plain streamed request of tenant A: its first token within the SLO and all of it served; the
     router's memory within RSS_SLACK of where it started. Returns the TTFT."""
     ids = [random.randrange(100, 8000) for _ in range(24)]
-    request = build_request(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+    request = greedy(ids, 8)
     with Client(h.router.addr, api_key=A) as client:
         t0 = time.monotonic()
         stream = client.stream(request, timeout=60)
@@ -327,18 +327,7 @@ def test_4_no_key_takes_every_slot_jumps_the_queue_or_floods_tokens(hostile):
 
 # -- 5. no 500 from input ---------------------------------------------------------------------------------
 def errors_counted(h: Hostile, api: str, code: str) -> float:
-    request = urllib.request.Request(h.http + "/metrics", headers={"Authorization": f"Bearer {A}"})
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        text = reply.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("kvferry:request_errors_total{")
-            and f'api="{api}"' in line
-            and f'code="{code}"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(h.http, "kvferry:request_errors_total", api=api, code=code)
 
 
 def test_5_malformed_input_is_a_400_naming_the_field_and_the_connection_serves_on(hostile):

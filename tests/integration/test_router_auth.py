@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_helpers import ExtraRouter, wait_for
+from cluster_helpers import ExtraRouter, greedy, wait_for
 
 from kvferry.router.client import Client, build_request
 
@@ -107,7 +107,7 @@ def secured(cluster, tls, tmp_path_factory):
 
 
 def short(**kw):
-    return build_request(prompt_token_ids=[5, 6, 7, 8], max_tokens=3, temperature=0.0, ignore_eos=True, **kw)
+    return greedy([5, 6, 7, 8], 3, **kw)
 
 
 @pytest.mark.parametrize("api_key", [None, "wrong-key"])
