@@ -19,7 +19,7 @@ from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of this rank's cache (its KV heads only under tensor parallelism)."""
     cfg = model.cfg
-    width = kv_row_width(cfg.head_dim, dtype)
+    width = kv_row_width(cfg.kv_cache_dim, dtype)
     return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * width * dtype.itemsize
 
 
@@ -64,7 +64,7 @@ class ModelRunner:
         dtype = kv_dtype or model.embed.dtype
         # [L, 2 (K/V), Hkv, num_blocks + 1 (the sink), block_size, D]: head-major for batched attention reads
         # (an int8 cache: D + 4, each row's values and its scale)
-        width = kv_row_width(cfg.head_dim, dtype)
+        width = kv_row_width(cfg.kv_cache_dim, dtype)
         shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, width)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.eos_ids: tuple[int, ...] = ()  # what a grammar in its error state allows (ends the request)

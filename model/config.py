@@ -1,10 +1,12 @@
 """Model configuration, read from a Hugging Face `config.json`: the architectures kvferry serves
 (`ARCHITECTURES`) share one decoder (`qwen3_moe.py`) that differs by what the config says: experts or
-a dense MLP per layer, RMS norms on q and k (Qwen3) or none (Llama), Llama 3's RoPE scaling."""
+a dense MLP per layer, RMS norms on q and k (Qwen3) or none (Llama), Llama 3's or YaRN's RoPE scaling,
+and DeepSeek-V3's Multi-head Latent Attention, shared experts and grouped sigmoid routing."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +18,20 @@ class ModelConfigError(ValueError):
 
 
 # HF `architectures` name -> whether its attention normalizes q and k per head (Qwen3's q_norm/k_norm)
-ARCHITECTURES = {"Qwen3MoeForCausalLM": True, "Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
+ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": True,
+    "Qwen3ForCausalLM": True,
+    "LlamaForCausalLM": False,
+    "DeepseekV3ForCausalLM": False,
+}
 # a config.json without `architectures`: its `model_type` names it
-MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_TYPES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+DEEPSEEK = "DeepseekV3ForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,25 @@ class ModelConfig:
     qk_norm: bool = True  # q_norm / k_norm on every head (Qwen3); Llama has none
     # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original max positions); ()
     rope_llama3: tuple[float, ...] = ()
+    # YaRN (`layers.yarn_inv_freq`): (factor, original max positions, beta_fast, beta_slow, attention
+    # factor (cos/sin are scaled by it), mscale_all_dim, truncate); ()
+    rope_yarn: tuple[float, ...] = ()
+    # DeepSeek-V3's Multi-head Latent Attention (kv_lora_rank > 0): one latent row per token is cached,
+    # kv_lora_rank values (normalised) then qk_rope_head_dim (rotated); q through a LoRA when q_lora_rank
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope dims' pairs interleaved (the loader de-interleaves them)
+    # DeepSeek-V3's MoE: shared experts beside the routed ones; `noaux_tc` routing: sigmoid scores, a
+    # correction bias that only chooses, the best `topk_group` of `n_group` groups, weights scaled
+    n_shared_experts: int = 0
+    sigmoid_routing: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_mtp_layers: int = 0  # the checkpoint's multi-token-prediction layers (DeepSeek-V3's `nextn`)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -54,6 +86,35 @@ class ModelConfig:
             and self.num_experts > 0
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head Latent Attention (DeepSeek-V3): the cache holds one latent row per token."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates: a head's (MLA: its rope part)."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values of one cached row of one KV head and plane. The cache has two planes per layer: K and V,
+        or (MLA, one "head") a latent row's first and second halves, so that a latent block is the same
+        object as any other to the cache, the pool and every transfer."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim) // 2 if self.mla else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention's scale: 1/sqrt(the q.k width), times YaRN's mscale(factor, mscale_all_dim)^2 where
+        an MLA config asks for it (as DeepSeek's code and transformers do)."""
+        if not self.mla:
+            return self.head_dim**-0.5
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.rope_yarn and self.rope_yarn[5]:
+            m = yarn_mscale(self.rope_yarn[0], self.rope_yarn[5])
+            scale *= m * m
+        return scale
 
     @property
     def q_size(self) -> int:
@@ -77,12 +138,15 @@ class ModelConfig:
             raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("attention_bias", False):
             raise ModelConfigError(f"attention_bias=true is not supported ({arch} in kvferry has none)")
-        theta, llama3 = _rope(raw)
+        theta, llama3, yarn = _rope(raw)
         try:
             heads = raw["num_attention_heads"]
             num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
             eos = raw.get("eos_token_id")
-            return cls(
+            extra = _deepseek(raw) if arch == DEEPSEEK else {}
+            if arch == DEEPSEEK:
+                num_experts = raw.get("n_routed_experts") or 0
+            fields = dict(
                 vocab_size=raw["vocab_size"],
                 hidden_size=raw["hidden_size"],
                 num_layers=raw["num_hidden_layers"],
@@ -106,7 +170,9 @@ class ModelConfig:
                 architecture=arch,
                 qk_norm=ARCHITECTURES[arch],
                 rope_llama3=llama3,
+                rope_yarn=yarn,
             )
+            return cls(**(fields | extra))
         except KeyError as missing:
             raise ModelConfigError(f"config.json has no {missing.args[0]!r}") from None
 
@@ -184,22 +250,94 @@ def _architecture(raw: dict) -> str:
     return arch
 
 
-def _rope(raw: dict) -> tuple[float, tuple[float, ...]]:
-    """(rope_theta, Llama 3's scaling parameters or ()) from `rope_parameters` / `rope_scaling`."""
+def _rope(raw: dict) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """(rope_theta, Llama 3's scaling parameters or (), YaRN's or ()) from `rope_parameters` /
+    `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     if rope_type == "default":
-        return theta, ()
-    if rope_type != "llama3":
-        raise ModelConfigError(f"rope_type={rope_type!r} is not supported (default RoPE, or llama3)")
+        return theta, (), ()
+    if rope_type not in ("llama3", "yarn"):
+        raise ModelConfigError(f"rope_type={rope_type!r} is not supported (default RoPE, llama3 or yarn)")
     try:
-        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return theta, tuple(float(params[n]) for n in names)
+        if rope_type == "llama3":
+            names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            return theta, tuple(float(params[n]) for n in names), ()
+        factor = float(params["factor"])
+        original = float(params["original_max_position_embeddings"])
     except KeyError as missing:
         raise ModelConfigError(
-            f"rope_scaling / rope_parameters (llama3) has no {missing.args[0]!r}"
+            f"rope_scaling / rope_parameters ({rope_type}) has no {missing.args[0]!r}"
         ) from None
+    # as transformers' _compute_yarn_parameters: cos/sin scaled by the attention factor
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention = params.get("attention_factor")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(factor)
+    yarn = (
+        factor,
+        original,
+        float(params.get("beta_fast") or 32),
+        float(params.get("beta_slow") or 1),
+        float(attention),
+        float(mscale_all_dim or 0),
+        float(bool(params.get("truncate", True))),
+    )
+    return theta, (), yarn
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deepseek(raw: dict) -> dict:
+    """DeepSeek-V3's fields (MLA, shared experts, `noaux_tc` routing), refusing what kvferry would ignore."""
+    method = raw.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ModelConfigError(f"topk_method={method!r} is not supported (DeepSeek-V3's noaux_tc only)")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ModelConfigError(f"scoring_func={raw['scoring_func']!r} is not supported (noaux_tc: sigmoid)")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise ModelConfigError(
+            f"moe_layer_freq={raw['moe_layer_freq']} is not supported (every layer past "
+            "first_k_dense_replace is MoE, as in DeepSeek-V3)"
+        )
+    if not raw.get("kv_lora_rank"):
+        raise ModelConfigError("kv_lora_rank must be > 0 (DeepSeek-V3's attention is MLA)")
+    if (raw["kv_lora_rank"] + raw["qk_rope_head_dim"]) % 2:
+        raise ModelConfigError(
+            "kv_lora_rank + qk_rope_head_dim must be even (a latent row is cached in halves)"
+        )
+    experts, groups = raw.get("n_routed_experts") or 0, raw.get("n_group") or 1
+    if experts % groups:
+        raise ModelConfigError(f"n_group={groups} does not divide n_routed_experts={experts}")
+    if not 1 <= (raw.get("topk_group") or 1) <= groups:
+        raise ModelConfigError(f"topk_group={raw.get('topk_group')} must be in [1, n_group={groups}]")
+    return {
+        "kv_lora_rank": raw["kv_lora_rank"],
+        "q_lora_rank": raw.get("q_lora_rank") or 0,
+        "qk_nope_head_dim": raw["qk_nope_head_dim"],
+        "qk_rope_head_dim": raw["qk_rope_head_dim"],
+        "v_head_dim": raw["v_head_dim"],
+        "n_shared_experts": raw.get("n_shared_experts") or 0,
+        "sigmoid_routing": True,
+        "n_group": groups,
+        "topk_group": raw.get("topk_group") or 1,
+        "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+        "num_mtp_layers": raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0,
+        "num_kv_heads": 1,  # the latent: one row shared by every head
+        "head_dim": raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"],
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
+        "mlp_only_layers": tuple(range(raw.get("first_k_dense_replace", 0) or 0)),
+        "decoder_sparse_step": 1,
+        "rope_interleave": bool(raw.get("rope_interleave", True)),
+    }
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,5 +1,5 @@
-"""Deterministic default models: seeded weights in HF layout (Qwen3-MoE, or the dense Qwen3 / Llama
-specs) and a locally trained BPE tokenizer.
+"""Deterministic default models: seeded weights in HF layout (Qwen3-MoE, or the dense Qwen3 / Llama and
+the DeepSeek-V3 specs) and a locally trained BPE tokenizer.
 
 `create_model("tiny", out)` writes config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json (with a ChatML chat template) and safetensors. The same spec, seed and Python
@@ -27,7 +27,17 @@ from safetensors.torch import save_file
 from kvferry.model.chat_template import CHATML
 from kvferry.model.config import ModelConfig, ModelConfigError
 
-SPECS = ("tiny", "bench", "trained", "draft", "tiny-qwen3", "tiny-llama")
+SPECS = (
+    "tiny",
+    "bench",
+    "trained",
+    "draft",
+    "tiny-qwen3",
+    "tiny-llama",
+    "tiny-deepseek",
+    "tiny-deepseek-nolora",
+    "bench-deepseek",
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,11 +142,16 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
         shapes |= {
             p + "input_layernorm.weight": ((h,), 0.0),
             p + "post_attention_layernorm.weight": ((h,), 0.0),
-            p + "self_attn.q_proj.weight": ((cfg.q_size, h), 0.02),
-            p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
-            p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
-            p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
         }
+        if cfg.mla:
+            shapes |= _latent_attention_shapes(cfg, p + "self_attn.")
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": ((cfg.q_size, h), 0.02),
+                p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
+                p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
+                p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
+            }
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = ((d,), 0.0)
             shapes[p + "self_attn.k_norm.weight"] = ((d,), 0.0)
@@ -150,6 +165,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
                     q + "up_proj.weight": ((inter, h), 0.02),
                     q + "down_proj.weight": ((h, inter), 0.02),
                 }
+            if cfg.sigmoid_routing:  # a correction bias that changes some choices
+                shapes[p + "mlp.gate.e_score_correction_bias"] = ((cfg.num_experts,), 0.1)
+            if cfg.n_shared_experts:
+                q, shared = p + "mlp.shared_experts.", inter * cfg.n_shared_experts
+                shapes |= {
+                    q + "gate_proj.weight": ((shared, h), 0.02),
+                    q + "up_proj.weight": ((shared, h), 0.02),
+                    q + "down_proj.weight": ((h, shared), 0.02),
+                }
         else:
             inter = cfg.intermediate_size
             shapes |= {
@@ -158,6 +182,27 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
                 p + "mlp.down_proj.weight": ((h, inter), 0.02),
             }
     return {name: _seeded(name, shape, std, seed).to(dtype) for name, (shape, std) in shapes.items()}
+
+
+def _latent_attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[tuple[int, ...], float]]:
+    """DeepSeek-V3's attention tensors (HF names, shapes, std)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes = {
+        p + "kv_a_proj_with_mqa.weight": ((cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), 0.02),
+        p + "kv_a_layernorm.weight": ((cfg.kv_lora_rank,), 0.0),
+        p + "kv_b_proj.weight": ((heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0.05),
+        p + "o_proj.weight": ((h, heads * cfg.v_head_dim), 0.02),
+    }
+    if cfg.q_lora_rank:
+        shapes |= {
+            p + "q_a_proj.weight": ((cfg.q_lora_rank, h), 0.02),
+            p + "q_a_layernorm.weight": ((cfg.q_lora_rank,), 0.0),
+            p + "q_b_proj.weight": ((heads * qk, cfg.q_lora_rank), 0.05),
+        }
+    else:
+        shapes[p + "q_proj.weight"] = ((heads * qk, h), 0.02)
+    return shapes
 
 
 def _trained_weights(cfg: ModelConfig, tokenizer, eos_id: int, training: dict, seed: int, out: Path):

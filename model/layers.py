@@ -117,16 +117,26 @@ class RotaryEmbedding(nn.Module):
     and rotation takes one roll instead of a negate and a concatenation.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, llama3: tuple[float, ...] = ()):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        llama3: tuple[float, ...] = (),
+        yarn: tuple[float, ...] = (),
+    ):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scale = 1.0
         if llama3:
             inv_freq = llama3_inv_freq(inv_freq, *llama3)
+        if yarn:
+            inv_freq, scale = yarn_inv_freq(head_dim, theta, *yarn[:4], truncate=bool(yarn[6])), yarn[4]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin_signed", emb.sin() * sign, persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin_signed", emb.sin() * scale * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D] so they broadcast over heads of [T, H, D]
@@ -147,6 +157,35 @@ def llama3_inv_freq(
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original: float,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool = True,
+) -> torch.Tensor:
+    """YaRN's frequencies (as transformers computes them): dimensions that turn fewer than `beta_slow`
+    times over the original context are interpolated by `factor`, those turning more than `beta_fast`
+    times kept, and a linear ramp between."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

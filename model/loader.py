@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 # parameters stored [in, out]: the transpose of HF's [out, in] nn.Linear weights
-_INPUT_MAJOR = {"qkv", "o", "w13", "w2", "router", "lm_head"}
+_INPUT_MAJOR = {"qkv", "o", "w13", "w2", "router", "lm_head", "q", "q_a", "q_b", "kv_a", "kv_b"}
+_FLOAT32 = {"e_bias"}  # kept in float32 whatever the dtype (as transformers keeps DeepSeek's)
 
 
 class CheckpointReader:
@@ -74,8 +75,9 @@ def load_model(
     split = _Split(cfg, parallel)
     for name, build in _weight_plan(cfg, reader).items():
         target = params.pop(name)
-        tensor = split(name, build()).to(dtype)
-        if name.split(".")[-1] in _INPUT_MAJOR:
+        leaf = name.split(".")[-1]
+        tensor = split(name, build()).to(torch.float32 if leaf in _FLOAT32 else dtype)
+        if leaf in _INPUT_MAJOR:
             tensor = tensor.mT
         if tensor.shape != target.shape:
             raise ModelConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
@@ -103,6 +105,12 @@ class _Split:
         if self.tp_size == 1:
             return t
         s, cfg = self.shard, self.cfg
+        if cfg.mla and leaf in ("q", "q_b", "kv_b", "o"):  # latent attention: by head
+            heads = s.heads
+            per = {"q": cfg.head_dim, "q_b": cfg.head_dim, "kv_b": cfg.qk_nope_head_dim + cfg.v_head_dim}
+            if leaf == "o":
+                return t[:, heads.start * cfg.v_head_dim : heads.stop * cfg.v_head_dim]
+            return t[heads.start * per[leaf] : heads.stop * per[leaf]]
         if leaf in ("embed", "lm_head"):  # vocab rows, padded to an equal share per rank
             first, rows = s.vocab(cfg.vocab_size)
             part = t[first : first + rows]
@@ -147,8 +155,11 @@ def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[]
         attn = hf + "self_attn."
         plan[ours + "input_norm.weight"] = lambda p=hf: r.get(p + "input_layernorm.weight")
         plan[ours + "post_attn_norm.weight"] = lambda p=hf: r.get(p + "post_attention_layernorm.weight")
-        plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
         plan[ours + "attn.o"] = lambda p=attn: r.get(p + "o_proj.weight")
+        if cfg.mla:
+            plan |= _latent_attention_plan(cfg, r, attn, ours + "attn.")
+        else:
+            plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
         if cfg.qk_norm:
             plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
             plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
@@ -157,11 +168,54 @@ def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[]
             plan[ours + "mlp.router"] = lambda p=mlp: r.get(p + "gate.weight")
             plan[ours + "mlp.w13"] = lambda p=mlp: _experts_w13(r, p, cfg.num_experts)
             plan[ours + "mlp.w2"] = lambda p=mlp: _experts_w2(r, p, cfg.num_experts)
+            if cfg.sigmoid_routing:
+                plan[ours + "mlp.e_bias"] = lambda p=mlp: r.get(p + "gate.e_score_correction_bias")
+            if cfg.n_shared_experts:
+                shared = mlp + "shared_experts."
+                plan[ours + "mlp.shared.w13"] = lambda p=shared: torch.cat(
+                    [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
+                )
+                plan[ours + "mlp.shared.w2"] = lambda p=shared: r.get(p + "down_proj.weight")
         else:
             plan[ours + "mlp.w13"] = lambda p=mlp: torch.cat(
                 [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
             )
             plan[ours + "mlp.w2"] = lambda p=mlp: r.get(p + "down_proj.weight")
+    return plan
+
+
+def _latent_attention_plan(
+    cfg: ModelConfig, r: CheckpointReader, hf: str, ours: str
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """DeepSeek-V3's attention tensors. Where the checkpoint interleaves its rope dimensions
+    (`rope_interleave`, DeepSeek's own layout), the rows that make q's and the latent's rope parts are
+    put in rotate-half order here, once: the rotation is then the one every other model uses, with the
+    same result."""
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+
+    def q_rows(t: torch.Tensor) -> torch.Tensor:  # [H * (nope + rope), in]
+        if not cfg.rope_interleave:
+            return t
+        heads = t.view(cfg.num_heads, nope + rope, -1)
+        return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).view_as(t)
+
+    def latent_rows(t: torch.Tensor) -> torch.Tensor:  # [rank + rope, in]
+        if not cfg.rope_interleave:
+            return t
+        return torch.cat((t[: cfg.kv_lora_rank], t[cfg.kv_lora_rank :][order]))
+
+    plan: dict[str, Callable[[], torch.Tensor]] = {
+        ours + "kv_a": lambda: latent_rows(r.get(hf + "kv_a_proj_with_mqa.weight")),
+        ours + "kv_a_norm.weight": lambda: r.get(hf + "kv_a_layernorm.weight"),
+        ours + "kv_b": lambda: r.get(hf + "kv_b_proj.weight"),
+    }
+    if cfg.q_lora_rank:
+        plan[ours + "q_a"] = lambda: r.get(hf + "q_a_proj.weight")
+        plan[ours + "q_a_norm.weight"] = lambda: r.get(hf + "q_a_layernorm.weight")
+        plan[ours + "q_b"] = lambda: q_rows(r.get(hf + "q_b_proj.weight"))
+    else:
+        plan[ours + "q"] = lambda: q_rows(r.get(hf + "q_proj.weight"))
     return plan
 
 

@@ -1,4 +1,6 @@
-"""Mixture-of-experts block (softmax router, top-k, optional renormalisation) and the dense MLP.
+"""Mixture-of-experts block and the dense MLP. Routing (`Gating`): softmax top-k with optional
+renormalisation (Qwen3-MoE), or DeepSeek-V3's `noaux_tc` (sigmoid scores, a correction bias that only
+chooses, group-limited top-k, a scaling factor); DeepSeek's shared experts run beside the routed ones.
 
 Weights are stored input-major ([in, out], the transpose of HF's nn.Linear layout): `x @ w` with a
 contiguous [in, out] matrix is up to 5x faster than `F.linear` for the small row counts of decode.
@@ -7,6 +9,7 @@ contiguous [in, out] matrix is up to 5x faster than `F.linear` for the small row
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,51 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(silu_and_mul(linear(x, self.w13)), self.w2)
+
+
+@dataclass(frozen=True)
+class Gating:
+    """How a MoE layer's router chooses its experts."""
+
+    top_k: int
+    renormalize: bool
+    sigmoid: bool = False  # DeepSeek-V3's noaux_tc (`grouped_route`); else softmax top-k (`route`)
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor
+
+    @classmethod
+    def of(cls, cfg) -> Gating:
+        return cls(
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.sigmoid_routing,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.routed_scaling_factor,
+        )
+
+
+def grouped_route(
+    x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, g: Gating
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's `noaux_tc` routing (as transformers computes it, in float32): sigmoid scores; the
+    scores plus the correction `bias` choose: the `topk_group` groups whose two best experts score
+    highest, then the top k experts in them; the weights are the chosen experts' scores (renormalised
+    if asked), times `scaling`. x: [T, H], router: [H, E], bias: [E] -> (weights [T, k], ids [T, k])."""
+    scores = (x.float() @ router.float()).sigmoid()
+    choice = scores + bias
+    if g.topk_group < g.n_group:
+        tokens, experts = choice.shape
+        best = choice.view(tokens, g.n_group, experts // g.n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        kept = torch.topk(best, g.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(experts // g.n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, g.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if g.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * g.scaling).to(x.dtype), ids
 
 
 def route(
@@ -110,26 +158,54 @@ def _looped_experts(xs: torch.Tensor, counts: list[int], w13, w2) -> torch.Tenso
     return torch.cat(outputs) if outputs else xs
 
 
-class SparseMoeBlock(nn.Module):
-    PACKED = ("w13", "w2")
+class _Routed(nn.Module):
+    """What both MoE blocks share: the router (and DeepSeek's correction bias `e_bias`), the gating, the
+    shared experts (`shared`, a DenseMLP, or None)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
-        super().__init__()
+    def _init_routing(self, hidden: int, num_experts: int, gating: Gating, shared_intermediate: int) -> None:
         self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
-        self.top_k = top_k
-        self.renormalize = renormalize
+        if gating.sigmoid:
+            self.e_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.gating = gating
+        self.top_k, self.renormalize = gating.top_k, gating.renormalize
+        self.shared = DenseMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.triton = False  # the Triton kernels: routing, then the fused grouped GEMMs (`use_triton`)
 
+    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) for the tokens x [T, H]."""
+        if self.gating.sigmoid:
+            return grouped_route(x, self.router, self.e_bias, self.gating)
+        return (triton_route if self.triton else route)(x, self.router, self.top_k, self.renormalize)
+
+    def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed if self.shared is None else routed.add_(self.shared(x))
+
+
+class SparseMoeBlock(_Routed):
+    PACKED = ("w13", "w2")
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        gating: Gating | None = None,
+        shared_intermediate: int = 0,
+    ):
+        super().__init__()
+        self._init_routing(hidden, num_experts, gating or Gating(top_k, renormalize), shared_intermediate)
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.choose(x)
         if self.triton and not hasattr(self.w13, "int8_scale"):  # int8 experts: experts_forward's W8A8
             from kvferry.kernels import triton_moe
 
-            weights, ids = triton_route(x, self.router, self.top_k, self.renormalize)
-            return triton_moe.fused_moe(x, ids, weights, self.w13, self.w2)
-        weights, ids = route(x, self.router, self.top_k, self.renormalize)
-        return experts_forward(x, ids, weights, self.w13, self.w2)
+            return self.with_shared(x, triton_moe.fused_moe(x, ids, weights, self.w13, self.w2))
+        return self.with_shared(x, experts_forward(x, ids, weights, self.w13, self.w2))
 
 
 def triton_route(
@@ -238,35 +314,40 @@ INLINE_METADATA = True  # send expert ids/weights as extra columns of the rows w
 _EXACT_INTS = {torch.float32: 2**24, torch.float16: 2048, torch.bfloat16: 256}  # integers held exactly
 
 
-class ExpertParallelMoe(nn.Module):
+class ExpertParallelMoe(_Routed):
     """The MoE block with experts partitioned across an EP group (router and top-k as SparseMoeBlock):
-    rank r holds `parallel.expert_range(E, M, r)`, the first E mod M ranks one expert more."""
+    rank r holds `parallel.expert_range(E, M, r)`, the first E mod M ranks one expert more. Shared
+    experts (DeepSeek) are on every rank: each applies them to its own tokens."""
 
     PACKED = ("w13", "w2")
 
     def __init__(
-        self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool, comm: Comm
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        comm: Comm,
+        gating: Gating | None = None,
+        shared_intermediate: int = 0,
     ):
         super().__init__()
         experts = expert_range(num_experts, comm.size, comm.rank)
         num_local = len(experts)
-        self.router = nn.Parameter(torch.empty(hidden, num_experts), requires_grad=False)
+        self._init_routing(hidden, num_experts, gating or Gating(top_k, renormalize), shared_intermediate)
         self.w13 = nn.Parameter(torch.empty(num_local, hidden, 2 * intermediate), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, intermediate, hidden), requires_grad=False)
-        self.top_k = top_k
-        self.renormalize = renormalize
         self.comm = comm
         self.first_expert = experts.start
         self.owner = expert_owner(num_experts, comm.size)  # global expert -> rank (moved to x's device)
         self.load = ExpertLoad(num_local)
-        self.triton = False  # the Triton kernels (`use_triton`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = triton_route if self.triton else route
-        weights, ids = routing(x, self.router, self.top_k, self.renormalize)
+        weights, ids = self.choose(x)
         if self.owner.device != x.device:
             self.owner = self.owner.to(x.device)
-        return dispatch_combine(
+        routed = dispatch_combine(
             x,
             ids,
             weights,
@@ -278,3 +359,4 @@ class ExpertParallelMoe(nn.Module):
             self.load,
             self.triton,
         )
+        return self.with_shared(x, routed)

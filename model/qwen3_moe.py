@@ -1,5 +1,6 @@
 """The decoder over a paged KV cache, inference only: HF's `Qwen3MoeForCausalLM` network, which with
-no experts is `Qwen3ForCausalLM` and, without q/k norms and with Llama 3's RoPE, `LlamaForCausalLM`
+no experts is `Qwen3ForCausalLM` and, without q/k norms and with Llama 3's RoPE, `LlamaForCausalLM`;
+with latent attention (`mla.py`), grouped sigmoid routing and shared experts, `DeepseekV3ForCausalLM`
 (`config.ARCHITECTURES`)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from kvferry.kernels.cpu import ops as cpu_ops
 from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
 from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, quantize, rms_norm
-from kvferry.model.moe import DenseMLP, ExpertParallelMoe, SparseMoeBlock
+from kvferry.model.mla import LatentAttention
+from kvferry.model.moe import DenseMLP, ExpertParallelMoe, Gating, SparseMoeBlock
 from kvferry.model.parallel import Parallel, TPShard
 
 
@@ -83,10 +85,12 @@ class DecoderLayer(nn.Module):
         tp, ep = parallel.tp, parallel.ep
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads))
+        shard = TPShard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads)
+        self.attn = LatentAttention(cfg, shard) if cfg.mla else Attention(cfg, shard)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_partial = tp.size > 1  # each rank's MLP output is a partial sum to all-reduce
-        if cfg.is_moe_layer(layer) and ep.size > 1:
+        gating, shared = Gating.of(cfg), cfg.moe_intermediate_size * cfg.n_shared_experts
+        if cfg.is_moe_layer(layer) and ep.size > 1:  # shared experts whole on every rank
             self.mlp: nn.Module = ExpertParallelMoe(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
@@ -94,15 +98,19 @@ class DecoderLayer(nn.Module):
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
                 ep,
+                gating,
+                shared,
             )
             self.mlp_partial = False
-        elif cfg.is_moe_layer(layer):  # under TP every expert is split along its intermediate dim
-            self.mlp = SparseMoeBlock(
+        elif cfg.is_moe_layer(layer):  # under TP every expert (shared ones too) is split along its
+            self.mlp = SparseMoeBlock(  # intermediate dim
                 cfg.hidden_size,
                 cfg.moe_intermediate_size // tp.size,
                 cfg.num_experts,
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
+                gating,
+                shared // tp.size,
             )
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size)
@@ -124,9 +132,13 @@ class DecoderLayer(nn.Module):
 
 
 def rotary_of(cfg: ModelConfig, max_positions: int | None = None) -> RotaryEmbedding:
-    """The model's RoPE tables (its theta, and Llama 3's scaling where the config has it)."""
+    """The model's RoPE tables (its theta, and Llama 3's or YaRN's scaling where the config has it)."""
     return RotaryEmbedding(
-        cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3
+        cfg.rope_dim,
+        max_positions or cfg.max_position_embeddings,
+        cfg.rope_theta,
+        cfg.rope_llama3,
+        cfg.rope_yarn,
     )
 
 
@@ -186,8 +198,13 @@ class Qwen3MoeModel(nn.Module):
     def _collect_decode_weights(self) -> list[torch.Tensor]:
         """The weights `decode_layers` takes, 9 per layer; empty where a layer is not one it runs (tensor
         or expert parallelism)."""
-        if self.parallel.tp.size > 1 or not all(
-            isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers
+        cfg = self.cfg
+        if (
+            self.parallel.tp.size > 1
+            or cfg.mla  # (and DeepSeek's routing and shared experts): per-layer ops
+            or cfg.sigmoid_routing
+            or cfg.n_shared_experts
+            or not all(isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers)
         ):
             return []
         out = []

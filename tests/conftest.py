@@ -74,6 +74,19 @@ def tiny_llama_dir(kvferry_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir(kvferry_cache) -> Path:
+    """A DeepSeek-V3 (DeepseekV3ForCausalLM: MLA with a q LoRA, YaRN, a dense layer, shared experts,
+    noaux_tc routing over 4 groups) of that size."""
+    return create_model("tiny-deepseek", kvferry_cache / "models" / "tiny-deepseek")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_nolora_dir(kvferry_cache) -> Path:
+    """A DeepSeek-V3 without a q LoRA, one expert group, two shared experts."""
+    return create_model("tiny-deepseek-nolora", kvferry_cache / "models" / "tiny-deepseek-nolora")
+
+
+@pytest.fixture(scope="session")
 def second_model_dir(kvferry_cache) -> Path:
     out = kvferry_cache / "models" / "second"
     return create_from_spec(SECOND_SPEC, out, seed=7, max_shard_bytes=1_000_000)

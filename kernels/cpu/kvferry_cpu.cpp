@@ -865,29 +865,39 @@ at::Tensor dequantize_blocks(const at::Tensor& cache, const std::vector<int64_t>
   return out;
 }
 
+namespace {
+
+// The int8 cache's blocks a batch's tables use, dequantized once: (the planes as float32, the tables renumbered)
+std::tuple<std::vector<int64_t>, at::Tensor> used_blocks(const at::Tensor& block_tables, const at::Tensor& lens,
+                                                         int64_t bs) {
+  const int64_t B = block_tables.size(0), W = block_tables.size(1);
+  std::vector<int64_t> used;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
+    used.insert(used.end(), block_tables.data_ptr<int64_t>() + b * W, block_tables.data_ptr<int64_t>() + b * W + n);
+  }
+  std::sort(used.begin(), used.end());
+  used.erase(std::unique(used.begin(), used.end()), used.end());
+  auto tables = at::zeros_like(block_tables);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t id = block_tables.data_ptr<int64_t>()[b * W + j];
+      tables.data_ptr<int64_t>()[b * W + j] = std::lower_bound(used.begin(), used.end(), id) - used.begin();
+    }
+  }
+  return {used, tables};
+}
+
+}  // namespace
+
 // One query token per sequence over its cached KV blocks. q [B, Hq, D]; caches [Hkv, num_blocks, bs, D];
 // block_tables [B, W] (int64); context_lens [B]. Returns [B, Hq * D]. Query heads h*G..h*G+G-1 read KV head h.
 at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
   if (k_cache.scalar_type() == at::kChar) {  // int8 cache: the blocks the tables use, dequantized once
-    auto block_tables = block_tables_.to(at::kLong).contiguous();
     auto lens = context_lens_.to(at::kLong).contiguous();
-    const int64_t B = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(2);
-    std::vector<int64_t> used;
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
-      used.insert(used.end(), block_tables.data_ptr<int64_t>() + b * W, block_tables.data_ptr<int64_t>() + b * W + n);
-    }
-    std::sort(used.begin(), used.end());
-    used.erase(std::unique(used.begin(), used.end()), used.end());
-    auto tables = at::zeros_like(block_tables);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = std::min<int64_t>(W, (lens.data_ptr<int64_t>()[b] + bs - 1) / bs);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t id = block_tables.data_ptr<int64_t>()[b * W + j];
-        tables.data_ptr<int64_t>()[b * W + j] = std::lower_bound(used.begin(), used.end(), id) - used.begin();
-      }
-    }
+    auto [used, tables] = used_blocks(block_tables_.to(at::kLong).contiguous(), lens, k_cache.size(2));
     return paged_decode_attention(q_, dequantize_blocks(k_cache, used), dequantize_blocks(v_cache, used), tables,
                                   lens, scale);
   }
@@ -964,6 +974,103 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, acc.data() + g * D, D);
       }
       std::copy(acc.begin(), acc.end(), op + (b * hq + h * group) * D);
+    }
+  });
+  return out;
+}
+
+namespace {
+
+#ifdef KVFERRY_AVX512BF16
+inline float dot_wide(const float* a, const float* b, int64_t n) {  // 16 lanes, a masked tail
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+#else
+inline float dot_wide(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
+inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) { axpy(alpha, x, y, n); }
+#endif
+
+}  // namespace
+
+// MLA's absorbed decode: one query token per sequence over its cached latent rows. q [B, H, Wl] (Wl = the
+// latent's width, rank + rope: the query folded into the latent space, then its rope part); the cache's two
+// half planes [1, num_blocks, bs, Wl/2] (float32, or int8 rows with scales: the blocks used are dequantized
+// once); block_tables [B, W]; context_lens [B]. Returns [B, H, rank]: softmax(scale q.row) applied to each
+// row's first `rank` values. Each row is read from memory once per (sequence, group of heads) and used by
+// every head of the group while it is in cache; work items are (sequence, group of heads).
+at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first, const at::Tensor& second,
+                                   const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale,
+                                   int64_t rank) {
+  auto block_tables = block_tables_.to(at::kLong).contiguous();
+  auto lens_t = context_lens_.to(at::kLong).contiguous();
+  if (first.scalar_type() == at::kChar) {
+    auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
+    return latent_decode_attention(q_, dequantize_blocks(first, used), dequantize_blocks(second, used), tables, lens_t,
+                                   scale, rank);
+  }
+  check_f32(q_, "q");
+  check_f32(first, "first");
+  check_f32(second, "second");
+  TORCH_CHECK(first.is_contiguous() && second.is_contiguous() && first.sizes() == second.sizes(), "latent planes");
+  auto q = q_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2), num_blocks = first.size(1), bs = first.size(2),
+                half = first.size(3), W = block_tables.size(1);
+  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && rank > 0 && rank <= Wl, "q [B, H, 2 * half], rank <= width");
+  auto out = at::empty({B, H, rank}, q.options());
+  const float *qp = q.data_ptr<float>(), *p0 = first.data_ptr<float>(), *p1 = second.data_ptr<float>();
+  const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = lens_t.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t threads = at::get_num_threads();
+  // head groups: enough work items for every thread at batch 1, few enough that a row is reused many times
+  const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(H, (threads + B - 1) / B));
+  const int64_t per = (H + groups - 1) / groups;
+  const int64_t lo = std::min(half, rank), hi = rank - lo;  // V's values in the first plane, in the second
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
+      const int64_t len = std::min(lens[b], W * bs);
+      float* ob = op + (b * H + h0) * rank;
+      std::fill(ob, ob + std::max<int64_t>(hn, 0) * rank, 0.f);
+      if (hn <= 0 || len == 0) continue;
+      const float* qb = qp + (b * H + h0) * Wl;
+      scores.resize(hn * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
+        for (int64_t h = 0; h < hn; ++h)
+          scores[h * len + t] = dot_wide(qb + h * Wl, p0 + off, half) + dot_wide(qb + h * Wl + half, p1 + off, half);
+      }
+      for (int64_t h = 0; h < hn; ++h) {
+        float* s = scores.data() + h * len;
+        const float peak = *std::max_element(s, s + len) * fscale;
+        const float inv = 1.f / exp_scaled(s, len, fscale, peak);
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
+        for (int64_t h = 0; h < hn; ++h) {
+          axpy_wide(scores[h * len + t], p0 + off, ob + h * rank, lo);
+          if (hi > 0) axpy_wide(scores[h * len + t], p1 + off, ob + h * rank + lo, hi);
+        }
+      }
     }
   });
   return out;
@@ -1205,6 +1312,9 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "float scale) -> Tensor");
+  m.def(
+      "latent_decode_attention(Tensor q, Tensor first, Tensor second, Tensor block_tables, Tensor context_lens, "
+      "float scale, int rank) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, Tensor slot_blocks, "
@@ -1221,6 +1331,7 @@ TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qk_norm_rope_store", &qk_norm_rope_store);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("latent_decode_attention", &latent_decode_attention);
   m.impl("moe_experts", &moe_experts);
   m.impl("decode_layers", &decode_layers);
 }

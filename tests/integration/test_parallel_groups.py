@@ -161,6 +161,34 @@ def test_a_dense_llama_through_tp_prefill_and_the_pool(
             members.close()
 
 
+def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
+    redis_server, tiny_deepseek_dir, tmp_path_factory, prompts, hf_greedy
+):
+    """A DeepSeek-V3 (latent attention, shared experts, grouped routing): a TP=2 prefill group (heads
+    split, the latent replicated: rank 0 writes it) hands latent blocks through the pool to an EP=2
+    decode group (routed experts split, shared experts on both ranks), exact against transformers; the
+    shared-prefix prompt hits."""
+    reference = hf_greedy(tiny_deepseek_dir, prompts, NEW_TOKENS)
+    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2)
+    cluster = start(redis_server, tiny_deepseek_dir, tmp_path_factory, "deepseek", prefill, decode)
+    with cluster:
+        got = run_all(cluster.router_addr, prompts)
+        for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on the DeepSeek-V3"
+        members = Members(cluster)
+        try:
+            prefill = members.stats("prefill")
+            assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(2, 0)]
+            assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
+            decode = members.stats("decode")
+            assert len(decode) == 2
+            for s in decode.values():  # the group's load: two MoE layers (the first is dense), 8 experts
+                assert [len(layer.tokens) for layer in s.expert_load.layers] == [8, 8]
+                assert all(t > 0 for t in s.expert_load.rank_tokens)
+        finally:
+            members.close()
+
+
 @pytest.mark.shared_cluster(**corner(2, 2))
 def test_groups_drain_as_one_on_sigterm(cluster_for):
     """SIGTERM to a TP=2 prefill leader and an EP=2 decode group's rank 0 while both decode ranks hold

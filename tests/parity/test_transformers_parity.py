@@ -1,5 +1,6 @@
 """kvferry's model and engine against transformers on the same checkpoint (float32): Qwen3-MoE (two
-shapes), dense Qwen3 and Llama 3 (`Qwen3ForCausalLM`, `LlamaForCausalLM`)."""
+shapes), dense Qwen3 and Llama 3 (`Qwen3ForCausalLM`, `LlamaForCausalLM`), DeepSeek-V3 (two shapes:
+with and without a q LoRA)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(
-    scope="module", params=["tiny_model_dir", "second_model_dir", "tiny_qwen3_dir", "tiny_llama_dir"]
+    scope="module",
+    params=[
+        "tiny_model_dir",
+        "second_model_dir",
+        "tiny_qwen3_dir",
+        "tiny_llama_dir",
+        "tiny_deepseek_dir",
+        "tiny_deepseek_nolora_dir",
+    ],
 )
 def checkpoint(request):
     return request.getfixturevalue(request.param)
@@ -80,7 +89,7 @@ def test_prefill_logits_match(checkpoint, hf_model, prompts):
         n = len(ids)
         blocks = list(range(-(-n // bs)))
         cfg = model.cfg
-        kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(blocks), bs, cfg.head_dim)
+        kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(blocks), bs, cfg.kv_cache_dim)
         meta = AttentionMetadata.build(
             [blocks[p // bs] for p in range(n)],
             [p % bs for p in range(n)],
@@ -287,7 +296,7 @@ def test_int8_kv_cache_cpu_kernels_and_torch_reference_agree(checkpoint, prompts
     assert outputs[0] == outputs[1]
     plain = make_engine(checkpoint, kernels="torch")
     assert engine.fingerprint != plain.fingerprint
-    d = plain.model.cfg.head_dim
+    d = plain.model.cfg.kv_cache_dim
     int8_block, float_block = (
         engine.runner.kv_cache[:, :, :, 0].nbytes,
         plain.runner.kv_cache[:, :, :, 0].nbytes,

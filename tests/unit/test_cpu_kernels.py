@@ -301,3 +301,70 @@ def test_moe_experts_w13_and_w2_stored_differently():
     assert p13.dtype == torch.bfloat16 and p2.dtype == torch.float32
     out = experts_forward(x, ids, weights, p13, p2)
     torch.testing.assert_close(out, experts_forward(x, ids, weights, w13, w2), rtol=1e-4, atol=1e-4)
+
+
+def latent_inputs(lens: list[int], heads: int, half: int, bs: int, int8: bool):
+    from kvferry.kernels.int8 import quantize_kv
+
+    num_blocks = 80
+    first, second = randn(1, num_blocks, bs, half), randn(1, num_blocks, bs, half)
+    if int8:
+        first, second = quantize_kv(first), quantize_kv(second)
+    width = max(-(-n // bs) for n in lens) + 1  # one more column than any needs: padding is ignored
+    tables = torch.randperm(num_blocks, generator=GEN)[: len(lens) * width].view(len(lens), width)
+    return randn(len(lens), heads, 2 * half), first, second, tables, torch.tensor(lens)
+
+
+LATENT_CASES = [(16, 40, 64), (4, 32, 48), (5, 9, 17), (3, 24, 40)]  # heads, half a row, rank
+
+
+@pytest.mark.parametrize(("heads", "half", "rank"), LATENT_CASES)
+@pytest.mark.parametrize("lens", [[1], [16, 3, 40], [8, 9, 17, 33, 64]])
+@pytest.mark.parametrize("int8", [False, True])
+def test_latent_decode_attention(heads, half, rank, lens, int8):
+    """MLA's absorbed decode (`mla.latent_decode_attention_reference`): rows read through the tables from
+    both half planes, float32 or int8 rows with their scales; V is the rows' first `rank` values (all of
+    the first plane and part of the second, or part of the first)."""
+    from kvferry.model.mla import latent_decode_attention_reference
+
+    args = latent_inputs(lens, heads, half, 8, int8)
+    out = cpu.ops().latent_decode_attention(*args, 0.2, rank)
+    expected = latent_decode_attention_reference(*args, 0.2, rank)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+LATENT_AVX2_CHECK = """
+import torch
+from kvferry.kernels import cpu
+from kvferry.model.mla import latent_decode_attention_reference
+import tests.unit.test_cpu_kernels as t
+assert cpu.load() and not cpu.has_avx512_bf16()
+for heads, half, rank in t.LATENT_CASES:
+    for int8 in (False, True):
+        args = t.latent_inputs([8, 9, 17, 33, 64], heads, half, 8, int8)
+        out = cpu.ops().latent_decode_attention(*args, 0.2, rank)
+        want = latent_decode_attention_reference(*args, 0.2, rank)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+print("avx2 latent ok")
+"""
+
+
+@pytest.mark.slow  # the AVX2-only build of the kernels (~20 s, once per cache)
+def test_latent_decode_attention_on_the_avx2_build():
+    """The same kernel where the CPU is seen as AVX2-only (its 8-lane loops instead of the AVX-512 ones)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, cpu.ISA_ENV: "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", LATENT_AVX2_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "avx2 latent ok" in done.stdout
