@@ -96,20 +96,33 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> int:
     """Bytes of weights one decode step at `batch` touches: every dense weight, the experts hit, lm_head.
 
-    A batch of B tokens hits on average E * (1 - (1 - k/E)^B) experts per MoE layer.
+    A batch of B tokens hits on average E * (1 - (1 - k/E)^B) experts per MoE layer. Latent attention
+    (DeepSeek-V3): its q (LoRA or not), kv_a, kv_b and o projections; shared experts: every step.
     """
     h = cfg.hidden_size
-    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    if cfg.mla:
+        heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = (h + heads * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * heads * qk
+        kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        attn = q + kv + heads * cfg.v_head_dim * h
+    else:
+        attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     total = cfg.vocab_size * h  # lm_head
     for layer in range(cfg.num_layers):
         total += attn
         if cfg.is_moe_layer(layer):
             e, k = cfg.num_experts, cfg.num_experts_per_tok
             hit = e * (1 - (1 - k / e) ** batch)
-            total += e * h + hit * 3 * h * cfg.moe_intermediate_size
+            total += e * h + (hit + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size
         else:
             total += 3 * h * cfg.intermediate_size
     return int(total * itemsize)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of KV one token holds in every layer: K and V of each KV head, or (MLA) one latent row."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.kv_cache_dim * itemsize
 
 
 def print_result(result: dict, out: Path | None = None) -> None:

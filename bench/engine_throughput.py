@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model_dir, memcpy_gbps, print_result, weight_bytes_per_step
+from common import (
+    bench_model_dir,
+    kv_bytes_per_token,
+    memcpy_gbps,
+    print_result,
+    reported_cpu_flags,
+    weight_bytes_per_step,
+)
 
 from kvferry.engine.engine import EngineConfig, LLMEngine
 from kvferry.engine.request import SamplingParams
@@ -38,9 +45,12 @@ def run_kvferry(engine: LLMEngine, prompts: list[list[int]], output_len: int) ->
     return len(prompts) * output_len / elapsed
 
 
-def decode_step_ms_at_batch_1(engine: LLMEngine, steps: int = 32) -> float:
+STEP_PROMPT, STEP_STEPS = 32, 32  # the batch-1 decode step: a 32-token prompt, 32 steps timed
+
+
+def decode_step_ms_at_batch_1(engine: LLMEngine, steps: int = STEP_STEPS) -> float:
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    request_id = engine.add_request(params=params, prompt_token_ids=list(range(10, 42)))
+    request_id = engine.add_request(params=params, prompt_token_ids=list(range(10, 10 + STEP_PROMPT)))
     outputs = engine.outputs_of(request_id)
     next(outputs)  # the prefill step
     t = time.perf_counter()
@@ -110,10 +120,18 @@ def main() -> None:
             f"transformers {baseline_tps:.1f} tok/s"
         )
     bandwidth = memcpy_gbps()
-    # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16)
-    step_bytes = weight_bytes_per_step(engine.model.cfg, 1, engine.model.lm_head.element_size())
+    # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16), and
+    # the KV (MLA: latent) cache of the step's mean context
+    cfg = engine.model.cfg
+    step_bytes = weight_bytes_per_step(cfg, 1, engine.model.lm_head.element_size())
+    context = STEP_PROMPT + STEP_STEPS // 2 + 1
+    cache_bytes = context * kv_bytes_per_token(cfg, engine.runner.kv_cache.element_size())
+    roofline_ms = (step_bytes + cache_bytes) / (bandwidth * 1e9) * 1e3
     print_result(
         {
+            "model": args.model,
+            "architecture": cfg.architecture,
+            "cpu": reported_cpu_flags(),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "weights_stored_as": str(engine.model.lm_head.dtype).removeprefix("torch."),
             "cpu_kernels": engine.cpu_kernels,
@@ -121,7 +139,10 @@ def main() -> None:
             "baseline_out_tok_s": round(baseline_tps, 1),
             "ratio": round(kvferry_tps / baseline_tps, 3),
             "decode_step_ms_at_batch_1": round(step_ms, 3),
-            "roofline_ms_at_batch_1": round(step_bytes / (bandwidth * 1e9) * 1e3, 3),
+            "roofline_ms_at_batch_1": round(roofline_ms, 3),
+            "step_vs_roofline": round(step_ms / roofline_ms, 3),
+            "weight_mb_per_step": round(step_bytes / 2**20, 2),
+            "kv_cache_mb_per_step": round(cache_bytes / 2**20, 3),
             "memcpy_gbps": round(bandwidth, 2),
         },
         args.out,

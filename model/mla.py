@@ -75,37 +75,40 @@ class LatentAttention(nn.Module):
         lora = not hasattr(self, "q")
         q = linear(self.q_a_norm(linear(x, self.q_a)), self.q_b) if lora else linear(x, self.q)
         q = q.view(t, h, self.nope + self.rope)
-        cos, sin = (r if r.dim() == 3 else r.unsqueeze(1) for r in rope)  # [T, 1, rope]
-        q_rope = apply_rotary(q[:, :, self.nope :], cos, sin)
         latent = linear(x, self.kv_a)
         c = self.kv_a_norm(latent[:, : self.rank].contiguous())
-        k_rope = apply_rotary(latent[:, None, self.rank :], cos, sin)[:, 0]
-        row = torch.cat((c, k_rope), dim=-1)  # [T, rank + rope]: what the cache holds
-        half = row.shape[1] // 2
-        write_kv(kv[0], kv[1], row[:, None, :half], row[:, None, half:], meta)
+        if self.cpu_kernels:  # rotation and the cache write in one pass
+            cos, sin = (r.reshape(t, self.rope) for r in rope)
+            slots = (meta.slot_blocks, meta.slot_offsets)
+            q, row = cpu_ops().latent_rope_store(q, latent, c, cos, sin, *kv, *slots)
+            q_nope, q_rope = q[:, :, : self.nope], q[:, :, self.nope :]
+        else:
+            cos, sin = (r if r.dim() == 3 else r.unsqueeze(1) for r in rope)  # [T, 1, rope]
+            q_nope, q_rope = q[:, :, : self.nope], apply_rotary(q[:, :, self.nope :], cos, sin)
+            k_rope = apply_rotary(latent[:, None, self.rank :], cos, sin)[:, 0]
+            row = torch.cat((c, k_rope), dim=-1)  # [T, rank + rope]: what the cache holds
+            half = row.shape[1] // 2
+            write_kv(kv[0], kv[1], row[:, None, :half], row[:, None, half:], meta)
         out = x.new_empty(t, h, self.v_dim)
         if meta.num_decodes:
             nd = meta.num_decodes
-            out[:nd] = self._decode(q[:nd, :, : self.nope], q_rope[:nd], kv, meta)
+            out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], kv, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-            query = torch.cat((q[rows, :, : self.nope], q_rope[rows]), dim=-1)
+            query = torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
             out[rows] = self._prefill(query, row[rows], kv, chunk)
         return linear(out.view(t, h * self.v_dim), self.o)
 
     def _decode(self, q_nope, q_rope, kv, meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed: q_nope [B, H, nope] into the latent space, attention over the cached rows, W_uv."""
         w_uk, w_uv = self.absorbed()
+        tables = (meta.block_tables, meta.context_lens)
+        if self.cpu_kernels:  # the three in one call
+            query = torch.cat((q_nope, q_rope), dim=-1)
+            return cpu_ops().latent_decode(query, w_uk, w_uv, kv[0], kv[1], *tables, self.scale)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [B, H, rank]
         query = torch.cat((q_lat, q_rope), dim=-1)
-        if self.cpu_kernels:
-            attn = cpu_ops().latent_decode_attention(
-                query, kv[0], kv[1], meta.block_tables, meta.context_lens, self.scale, self.rank
-            )
-        else:
-            attn = latent_decode_attention_reference(
-                query, kv[0], kv[1], meta.block_tables, meta.context_lens, self.scale, self.rank
-            )
+        attn = latent_decode_attention_reference(query, kv[0], kv[1], *tables, self.scale, self.rank)
         return torch.bmm(attn.transpose(0, 1), w_uv.to(attn.dtype)).transpose(0, 1)  # [B, H, v]
 
     def _prefill(self, query, rows, kv, chunk: PrefillChunk) -> torch.Tensor:

@@ -170,11 +170,19 @@ class _Routed(nn.Module):
         self.top_k, self.renormalize = gating.top_k, gating.renormalize
         self.shared = DenseMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.triton = False  # the Triton kernels: routing, then the fused grouped GEMMs (`use_triton`)
+        self.cpu_kernels = False  # the C++ kernels (`pack_weights`): grouped routing in one call
 
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for the tokens x [T, H]."""
-        if self.gating.sigmoid:
-            return grouped_route(x, self.router, self.e_bias, self.gating)
+        g = self.gating
+        if g.sigmoid and self.cpu_kernels:
+            logits = x.float() @ self.router.float()
+            weights, ids = cpu_ops().grouped_topk(
+                logits, self.e_bias, g.top_k, g.renormalize, g.n_group, g.topk_group, g.scaling
+            )
+            return weights.to(x.dtype), ids
+        if g.sigmoid:
+            return grouped_route(x, self.router, self.e_bias, g)
         return (triton_route if self.triton else route)(x, self.router, self.top_k, self.renormalize)
 
     def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:

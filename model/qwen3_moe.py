@@ -186,26 +186,33 @@ class Qwen3MoeModel(nn.Module):
 
     def _decode_step(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A step of decodes only, every layer in one kernel call (`decode_weights`)."""
-        cfg = self.cfg
+        cfg, x = self.cfg, F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin_signed[positions]
+        slots = (meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight)
+        if cfg.mla:
+            dims = [self.layers[0].attn.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim]
+            return cpu_ops().latent_decode_layers(
+                x, self.decode_weights, kv_cache, cos, sin, *slots, [*dims, cfg.kv_lora_rank, cfg.v_head_dim],
+                cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.n_group,
+                cfg.topk_group, cfg.routed_scaling_factor,
+            )  # fmt: skip
         return cpu_ops().decode_layers(
-            F.embedding(input_ids, self.embed), self.decode_weights, kv_cache,
-            self.rotary.cos[positions], self.rotary.sin_signed[positions],
-            meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight,
+            x, self.decode_weights, kv_cache, cos, sin, *slots,
             self.layers[0].attn.num_heads, cfg.rms_norm_eps, self.layers[0].attn.scale,
             cfg.num_experts_per_tok, cfg.norm_topk_prob,
         )  # fmt: skip
 
     def _collect_decode_weights(self) -> list[torch.Tensor]:
-        """The weights `decode_layers` takes, 9 per layer; empty where a layer is not one it runs (tensor
-        or expert parallelism)."""
+        """The weights `decode_layers` takes, 9 per layer (`latent_decode_layers`: 16); empty where a layer
+        is not one it runs (tensor or expert parallelism)."""
         cfg = self.cfg
-        if (
-            self.parallel.tp.size > 1
-            or cfg.mla  # (and DeepSeek's routing and shared experts): per-layer ops
-            or cfg.sigmoid_routing
-            or cfg.n_shared_experts
-            or not all(isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers)
+        if self.parallel.tp.size > 1 or not all(
+            isinstance(lyr.mlp, SparseMoeBlock | DenseMLP) for lyr in self.layers
         ):
+            return []
+        if cfg.mla:
+            return self._collect_latent_decode_weights()
+        if cfg.sigmoid_routing or cfg.n_shared_experts:
             return []
         out = []
         for layer in self.layers:
@@ -213,6 +220,21 @@ class Qwen3MoeModel(nn.Module):
             router = mlp.router if isinstance(mlp, SparseMoeBlock) else torch.empty(0)
             out += [layer.input_norm.weight, attn.qkv, *attn.qk_norm_weights(), attn.o]
             out += [layer.post_attn_norm.weight, router, mlp.w13, mlp.w2]
+        return out
+
+    def _collect_latent_decode_weights(self) -> list[torch.Tensor]:
+        none, out = torch.empty(0), []
+        for layer in self.layers:
+            attn, mlp = layer.attn, layer.mlp
+            lora = hasattr(attn, "q_a")
+            out += [layer.input_norm.weight, attn.q_a if lora else none]
+            out += [attn.q_a_norm.weight if lora else none, attn.q_b if lora else attn.q]
+            out += [attn.kv_a, attn.kv_a_norm.weight, *attn.absorbed(), attn.o, layer.post_attn_norm.weight]
+            if isinstance(mlp, SparseMoeBlock):
+                shared = [mlp.shared.w13, mlp.shared.w2] if mlp.shared is not None else [none, none]
+                out += [mlp.router, mlp.e_bias, mlp.w13, mlp.w2, *shared]
+            else:
+                out += [none, none, mlp.w13, mlp.w2, none, none]
         return out
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -1076,6 +1077,168 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
   return out;
 }
 
+// MLA's rotation and cache write in one pass. q [T, H, nope + rope]; latent [T, rank + rope] (kv_a's output: the
+// rope part not yet rotated); c [T, rank] (the normalised latent); cos / sin_signed [T, rope]. Writes each token's
+// row [c | rotated k_rope] into its slot of the two half planes [1, blocks, bs, W/2] (float32, or int8 rows with
+// their scale). Returns (q with its rope part rotated, the rows [T, W]). Rotation: x * cos + roll(x, rope/2) * sin,
+// model/layers.py's apply_rotary.
+std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const at::Tensor& latent_,
+                                                     const at::Tensor& c_, const at::Tensor& cos_,
+                                                     const at::Tensor& sin_, at::Tensor& first, at::Tensor& second,
+                                                     const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_) {
+  check_f32(q_, "q");
+  auto q = q_.contiguous(), latent = latent_.contiguous(), c = c_.contiguous();
+  auto cs = cos_.to(at::kFloat).contiguous(), sn = sin_.to(at::kFloat).contiguous();
+  auto blocks = slot_blocks_.to(at::kLong).contiguous(), offsets = slot_offsets_.to(at::kLong).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), rank = c.size(1), rope = cs.size(1),
+                nope = qk - rope, W = rank + rope, half = W / 2;
+  const bool i8 = first.scalar_type() == at::kChar;
+  const int64_t RW = i8 ? half + kvferry_cpu::KV_SCALE_BYTES : half, num_blocks = first.size(1), bs = first.size(2);
+  TORCH_CHECK(latent.size(1) == W && W % 2 == 0 && first.size(-1) == RW && first.is_contiguous() &&
+                  second.is_contiguous(), "latent_rope_store shapes");
+  TORCH_CHECK(i8 || first.scalar_type() == at::kFloat, "the latent cache must be float32 or int8");
+  auto out = at::empty_like(q);
+  auto rows = at::empty({T, W}, q.options());
+  const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *cp = c.data_ptr<float>(),
+              *cosp = cs.data_ptr<float>(), *sinp = sn.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *rp = rows.data_ptr<float>();
+  const int64_t *bp = blocks.data_ptr<int64_t>(), *fp = offsets.data_ptr<int64_t>();
+  auto rotate = [&](const float* x, const float* cos, const float* sin, float* y) {
+    for (int64_t i = 0; i < rope; ++i) y[i] = x[i] * cos[i] + x[(i + rope / 2) % rope] * sin[i];
+  };
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *cos = cosp + t * rope, *sin = sinp + t * rope;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = qp + (t * H + h) * qk;
+        float* dst = op + (t * H + h) * qk;
+        std::copy(src, src + nope, dst);
+        rotate(src + nope, cos, sin, dst + nope);
+      }
+      float* row = rp + t * W;
+      std::copy(cp + t * rank, cp + (t + 1) * rank, row);
+      rotate(lp + t * W + rank, cos, sin, row + rank);
+      TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && fp[t] >= 0 && fp[t] < bs, "slot out of range");
+      const int64_t slot = (bp[t] * bs + fp[t]) * RW;
+      if (i8) {
+        kvferry_cpu::quantize_kv_row(row, half, first.data_ptr<int8_t>() + slot);
+        kvferry_cpu::quantize_kv_row(row + half, half, second.data_ptr<int8_t>() + slot);
+      } else {
+        std::copy(row, row + half, first.data_ptr<float>() + slot);
+        std::copy(row + half, row + W, second.data_ptr<float>() + slot);
+      }
+    }
+  });
+  return {out, rows};
+}
+
+// DeepSeek-V3's noaux_tc routing over router logits [T, E] (float32): sigmoid scores; scores + bias choose the
+// topk_group groups (of n_group) whose two best experts score highest, then the top_k experts in them; weights
+// are the chosen experts' scores, renormalised (sum + 1e-20) if asked, times `scaling` (model/moe.py's
+// grouped_route). Returns (weights [T, k] float32, ids [T, k] int64), experts in descending choice order.
+std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const at::Tensor& bias_, int64_t top_k,
+                                                bool renormalize, int64_t n_group, int64_t topk_group,
+                                                double scaling) {
+  auto logits = logits_.to(at::kFloat).contiguous();
+  auto bias = bias_.to(at::kFloat).contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1), per = E / n_group;
+  TORCH_CHECK(E % n_group == 0 && per >= (topk_group < n_group ? 2 : 1) && top_k <= E && bias.numel() == E,
+              "grouped_topk shapes");
+  auto weights = at::empty({T, top_k}, logits.options());
+  auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
+  const float *lp = logits.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(E), choice(E);
+    std::vector<int64_t> order(std::max(E, n_group));
+    std::vector<float> group_best(n_group);
+    std::vector<char> allowed(n_group);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t e = 0; e < E; ++e) {
+        score[e] = 1.f / (1.f + std::exp(-lp[t * E + e]));
+        choice[e] = score[e] + bp[e];
+      }
+      std::fill(allowed.begin(), allowed.end(), 1);
+      if (topk_group < n_group) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          const float* v = choice.data() + g * per;
+          float a = -INFINITY, b = -INFINITY;
+          for (int64_t i = 0; i < per; ++i) {
+            if (v[i] > a) {
+              b = a;
+              a = v[i];
+            } else if (v[i] > b) {
+              b = v[i];
+            }
+          }
+          group_best[g] = a + b;
+        }
+        std::iota(order.begin(), order.begin() + n_group, 0);
+        std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group,
+                          [&](int64_t a, int64_t b) { return group_best[a] > group_best[b]; });
+        std::fill(allowed.begin(), allowed.end(), 0);
+        for (int64_t i = 0; i < topk_group; ++i) allowed[order[i]] = 1;
+      }
+      int64_t n = 0;
+      for (int64_t e = 0; e < E; ++e)
+        if (allowed[e / per]) order[n++] = e;
+      std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + n,
+                        [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
+      float sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) sum += score[order[j]];
+      const float norm = renormalize ? sum + 1e-20f : 1.f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        ip[t * top_k + j] = order[j];
+        wp[t * top_k + j] = score[order[j]] / norm * static_cast<float>(scaling);
+      }
+    }
+  });
+  return {weights, ids};
+}
+
+// MLA's absorbed decode, whole: q [T, H, nope + rope] (rope part rotated) -> [T, H, v]. Each head's q_nope is
+// folded through W_uk [H, nope, rank] into the latent space, attends (latent_decode_attention) over the cached
+// rows, and its result goes through W_uv [H, rank, v]. The two small per-head products run here as row sums
+// (no batched GEMM calls for a handful of rows).
+at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first,
+                         const at::Tensor& second, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         double scale) {
+  check_f32(q_, "q");
+  check_f32(w_uk_, "w_uk");
+  check_f32(w_uv_, "w_uv");
+  auto q = q_.contiguous(), w_uk = w_uk_.contiguous(), w_uv = w_uv_.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), nope = w_uk.size(1), rank = w_uk.size(2),
+                rope = qk - nope, vd = w_uv.size(2);
+  TORCH_CHECK(w_uk.size(0) == H && w_uv.size(0) == H && w_uv.size(1) == rank && rope > 0, "W_uk / W_uv shapes");
+  auto query = at::empty({T, H, rank + rope}, q.options());
+  const float *qp = q.data_ptr<float>(), *uk = w_uk.data_ptr<float>(), *uv = w_uv.data_ptr<float>();
+  float* qq = query.data_ptr<float>();
+  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i % H;
+      const float* src = qp + i * qk;
+      float* dst = qq + i * (rank + rope);
+      std::fill(dst, dst + rank, 0.f);
+      for (int64_t n = 0; n < nope; ++n) axpy_wide(src[n], uk + (h * nope + n) * rank, dst, rank);
+      std::copy(src + nope, src + qk, dst + rank);
+    }
+  });
+  auto attn = latent_decode_attention(query, first, second, block_tables, context_lens, scale, rank);
+  auto out = at::empty({T, H, vd}, q.options());
+  const float* ap = attn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i % H;
+      float* dst = op + i * vd;
+      std::fill(dst, dst + vd, 0.f);
+      for (int64_t r = 0; r < rank; ++r) axpy_wide(ap[i * rank + r], uv + (h * rank + r) * vd, dst, vd);
+    }
+  });
+  return out;
+}
+
 // The experts of an MoE layer for the (token, expert) assignments that fall on experts first..first+E-1.
 // x [T, H]; ids, weights [T, k]; w13 packed per expert [E, 2I/16, H, 16] (or bf16 pairs [E, 2I/16, H/2, 32]);
 // w2 [E, H/16, I, 16] (or [E, H/16, I/2, 32]). Returns [T, H] = sum over local assignments of
@@ -1291,6 +1454,59 @@ at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tenso
   return add_rms_norm(x, residual, final_norm, eps);
 }
 
+namespace {
+
+at::Tensor gated_mlp(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2, int64_t H) {
+  auto gate_up = packed_linear(h, w13, 2 * packed_k(w2)).chunk(2, -1);
+  return packed_linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w2, H);
+}
+
+}  // namespace
+
+// decode_layers for DeepSeek-V3 (latent attention, model/mla.py; grouped routing and shared experts,
+// model/moe.py): the same ATen ops and kernels in the same order as the Python forward. weights: 16 per layer:
+// input norm, packed q_a (empty: no q LoRA), q_a norm (empty), packed q_b (or q), packed kv_a, kv_a norm,
+// W_uk [H, nope, rank], W_uv [H, rank, v], packed o, post-attention norm, router [Hd, E] (empty: a dense MLP),
+// correction bias [E], packed w13, packed w2, packed shared w13 (empty: none), packed shared w2. kv_cache
+// [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows); cos / sin [T, rope].
+at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tensor& kv_cache,
+                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_blocks,
+                                const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                                const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims,
+                                double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
+                                int64_t topk_group, double routed_scaling) {
+  constexpr int64_t PER_LAYER = 16;
+  TORCH_CHECK(dims.size() == 5, "dims: heads, nope, rope, rank, v");
+  const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
+  const int64_t L = kv_cache.size(0), H = x_.size(1), T = x_.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
+  at::Tensor x = x_, residual;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * PER_LAYER;
+    at::Tensor first = kv_cache[l][0], second = kv_cache[l][1];
+    at::Tensor h = l == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, residual, w[0], eps);
+    if (l == 0) residual = x;
+    const int64_t qk = nope + rope;
+    at::Tensor q = w[1].numel() > 0
+                       ? packed_linear(rms_norm(packed_linear(h, w[1], w[2].size(0)), w[2], eps), w[3], heads * qk)
+                       : packed_linear(h, w[3], heads * qk);
+    auto latent = packed_linear(h, w[4], rank + rope);
+    auto c = rms_norm(latent.narrow(1, 0, rank).contiguous(), w[5], eps);
+    auto query = std::get<0>(
+        latent_rope_store(q.view({T, heads, qk}), latent, c, cos, sin, first, second, slot_blocks, slot_offsets));
+    auto out = latent_decode(query, w[6], w[7], first, second, block_tables, context_lens, scale);
+    h = add_rms_norm(packed_linear(out.view({T, heads * vd}), w[8], H), residual, w[9], eps);
+    if (w[10].numel() > 0) {
+      auto [top, ids] = grouped_topk(at::mm(h, w[10]), w[11], top_k, renormalize, n_group, topk_group, routed_scaling);
+      x = moe_experts(h, ids, top, w[12], w[13], 0);
+      if (w[14].numel() > 0) x.add_(gated_mlp(h, w[14], w[15], H));
+    } else {
+      x = gated_mlp(h, w[12], w[13], H);
+    }
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}
+
 TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
@@ -1315,6 +1531,19 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def(
       "latent_decode_attention(Tensor q, Tensor first, Tensor second, Tensor block_tables, Tensor context_lens, "
       "float scale, int rank) -> Tensor");
+  m.def(
+      "latent_decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, "
+      "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor context_lens, Tensor final_norm, int[] dims, "
+      "float eps, float scale, int top_k, bool renormalize, int n_group, int topk_group, float routed_scaling) -> Tensor");
+  m.def(
+      "latent_rope_store(Tensor q, Tensor latent, Tensor c, Tensor cos, Tensor sin_signed, Tensor(a!) first, "
+      "Tensor(b!) second, Tensor slot_blocks, Tensor slot_offsets) -> (Tensor, Tensor)");
+  m.def(
+      "grouped_topk(Tensor logits, Tensor bias, int top_k, bool renormalize, int n_group, int topk_group, "
+      "float scaling) -> (Tensor, Tensor)");
+  m.def(
+      "latent_decode(Tensor q, Tensor w_uk, Tensor w_uv, Tensor first, Tensor second, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, Tensor slot_blocks, "
@@ -1332,6 +1561,10 @@ TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
   m.impl("qk_norm_rope_store", &qk_norm_rope_store);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("latent_decode_attention", &latent_decode_attention);
+  m.impl("latent_decode_layers", &latent_decode_layers);
+  m.impl("latent_decode", &latent_decode);
+  m.impl("latent_rope_store", &latent_rope_store);
+  m.impl("grouped_topk", &grouped_topk);
   m.impl("moe_experts", &moe_experts);
   m.impl("decode_layers", &decode_layers);
 }

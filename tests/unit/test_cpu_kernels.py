@@ -230,11 +230,15 @@ def test_bf16_engine_runs_the_kernels_in_bf16(tiny_model_dir, make_engine):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("checkpoint", ["tiny_model_dir", "second_model_dir", "tiny_llama_dir"])
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["tiny_model_dir", "second_model_dir", "tiny_llama_dir", "tiny_deepseek_dir", "tiny_deepseek_nolora_dir"],
+)
 def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dtype):
     """A decode-only step in one decode_layers call gives bit for bit what the Python forward gives
     (MoE with and without renormalisation, a dense layer, Llama's attention without q/k norms, two
-    sequences of different lengths)."""
+    sequences of different lengths; DeepSeek-V3's latent attention with and without a q LoRA, grouped
+    routing and shared experts in latent_decode_layers)."""
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
@@ -243,7 +247,7 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
     model = load_model(request.getfixturevalue(checkpoint), dtype)
     assert model.pack_weights() and model.decode_weights
     cfg, bs = model.cfg, 16
-    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 8, bs, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 8, bs, cfg.kv_cache_dim)
     lens, tables = [21, 40], [[0, 1], [2, 3, 4]]
     for n, table in zip(lens, tables, strict=True):  # prefill both prompts into the cache
         ids = torch.randint(3, cfg.vocab_size, (n,), generator=GEN)
@@ -368,3 +372,51 @@ def test_latent_decode_attention_on_the_avx2_build():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "avx2 latent ok" in done.stdout
+
+
+@pytest.mark.parametrize(("experts", "groups", "kept", "k"), [(8, 4, 2, 2), (6, 1, 1, 3), (16, 4, 1, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_topk(experts, groups, kept, k, renormalize):
+    """The C++ noaux_tc routing chooses the experts `moe.grouped_route` chooses, with its weights."""
+    from kvferry.model.moe import Gating, grouped_route
+
+    gating = Gating(k, renormalize, True, groups, kept, 2.5)
+    x, router, bias = randn(37, 24), randn(24, experts), randn(experts) * 0.3
+    want_w, want_ids = grouped_route(x, router, bias, gating)
+    got_w, got_ids = cpu.ops().grouped_topk(x @ router, bias, k, renormalize, groups, kept, 2.5)
+    order_w, order_g = want_ids.sort(-1).indices, got_ids.sort(-1).indices
+    assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g))
+    torch.testing.assert_close(got_w.gather(1, order_g), want_w.gather(1, order_w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_latent_rope_store(int8):
+    """The C++ rotation and latent cache write: the query's rope part rotated as `apply_rotary` does, and
+    each token's row [c | rotated k_rope] in its slot of the two half planes (int8: `quantize_kv` rows)."""
+    from kvferry.kernels.int8 import kv_row_width, quantize_kv
+
+    tokens, heads, nope, rope, rank, bs = 5, 3, 8, 16, 32, 4
+    half = (rank + rope) // 2
+    dtype = torch.int8 if int8 else torch.float32
+    first = torch.zeros(1, 6, bs, kv_row_width(half, dtype), dtype=dtype)
+    second = torch.zeros_like(first)
+    q, latent, c = randn(tokens, heads, nope + rope), randn(tokens, rank + rope), randn(tokens, rank)
+    angles = randn(tokens, rope // 2)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    blocks, offsets = torch.tensor([5, 0, 2, 2, 3]), torch.tensor([1, 3, 0, 2, 3])
+    q_out, rows = cpu.ops().latent_rope_store(q, latent, c, cos, sin, first, second, blocks, offsets)
+    want_q = torch.cat((q[..., :nope], apply_rotary(q[..., nope:], cos[:, None], sin[:, None])), -1)
+    want_rows = torch.cat((c, apply_rotary(latent[:, None, rank:], cos[:, None], sin[:, None])[:, 0]), -1)
+    torch.testing.assert_close(q_out, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-6, atol=1e-6)
+    halves = (rows[:, :half], rows[:, half:])
+    for plane, values in zip((first, second), halves, strict=True):
+        stored = plane[0, blocks, offsets]
+        if int8:
+            assert torch.equal(stored, quantize_kv(values))
+        else:
+            assert torch.equal(stored, values)
+    untouched = torch.ones(6, bs, dtype=torch.bool)
+    untouched[blocks, offsets] = False
+    assert not first[0][untouched].any() and not second[0][untouched].any()
