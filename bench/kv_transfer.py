@@ -20,6 +20,7 @@ memcpy_gbps, put_ratio, get_ratio (vs raw gloo), shm_put_ratio, shm_get_ratio (v
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import time
@@ -113,6 +114,28 @@ def measure_pool(
     return put_gbps, get_gbps
 
 
+@contextlib.contextmanager
+def pool_node(layout: BlockLayout, num_slots: int):
+    """A redis-server and one pool node of `layout` with `num_slots` blocks; yields the Redis URL."""
+    redis_port = free_port()
+    procs = [subprocess.Popen(redis_server_argv("127.0.0.1", redis_port), stdout=subprocess.DEVNULL)]
+    try:
+        url = wait_for_redis("127.0.0.1", redis_port, time.monotonic() + 20)
+        node = [sys.executable, "-m", "kvferry.kvpool", "--node-id", "bench-pool", "--redis-url", url]
+        node += ["--layout", ",".join(map(str, layout.to_list())), "--num-slots", str(num_slots)]
+        procs.append(subprocess.Popen(node))
+        yield url
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--total-mb", type=int, default=256)
@@ -147,27 +170,7 @@ def main() -> None:
         run_hosts(args, layout, n_blocks)
         return
 
-    redis_port = free_port()
-    procs = [subprocess.Popen(redis_server_argv("127.0.0.1", redis_port), stdout=subprocess.DEVNULL)]
-    url = wait_for_redis("127.0.0.1", redis_port, time.monotonic() + 20)
-    procs.append(
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvferry.kvpool",
-                "--node-id",
-                "bench-pool",
-                "--redis-url",
-                url,
-                "--layout",
-                ",".join(map(str, layout.to_list())),
-                "--num-slots",
-                str(n_blocks + 1024),  # a rep's blocks and the clients' reservations
-            ]
-        )
-    )
-    try:
+    with pool_node(layout, n_blocks + 1024) as url:  # a rep's blocks and the clients' reservations
         clients = {}
         for transport in ("gloo", "shm"):
             shm = transport == "shm"
@@ -208,15 +211,6 @@ def main() -> None:
         for pair in clients.values():
             for c in pair:
                 c.close()
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
     (put, get), (shm_put, shm_get), memcpy = best["gloo"], best["shm"], best["memcpy"]
     print_result(
         {

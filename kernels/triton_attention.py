@@ -14,6 +14,9 @@ cores and round the probabilities to the input dtype before the P @ V product, a
 
 - `paged_decode_attention`: one query token per sequence; one program per (sequence, KV head) computes
   that head's G query heads together, padded to 16 rows, so each K/V tile is read once per group.
+- `latent_decode_attention`: MLA's absorbed decode (DeepSeek-V3, `model/mla.py`): one latent row per
+  cached token, read from the cache's two half planes, shared by every head; one program per
+  (sequence, 16 query heads).
 - `paged_prefill_attention`: chunked prefill; one program per (chunk, tile of BLOCK_M query rows, query
   head). The chunk's K/V (cached prefix and its own new tokens) are read from the cache, causal by
   position. `paged_prefill_attention_reference` is the torch contract (the gathering branch of
@@ -155,6 +158,96 @@ def paged_decode_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        TILE_N=max(32, triton.next_power_of_2(block_size)), PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _latent_decode_kernel(
+    q_ptr, first_ptr, second_ptr, tables_ptr, lens_ptr, out_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_cd,
+    stride_tb, stride_tw,
+    stride_ob, stride_oh, stride_od,
+    HEADS: tl.constexpr, HALF: tl.constexpr, RANK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """MLA's absorbed decode: one program per (sequence, BLOCK_H query heads); every head reads the same
+    latent rows, the row's halves from the two planes. Scores q . [first | second]; the output is the
+    probabilities applied to the row's first RANK values (all of `first`'s and part of `second`'s, or
+    part of `first`'s)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, TILE_N)
+    h_mask = h < HEADS
+    d_mask = d < HALF
+    q_rows = q_ptr + seq * stride_qb + h[:, None] * stride_qh
+    qm = h_mask[:, None] & d_mask[None, :]
+    q0 = tl.load(q_rows + d[None, :] * stride_qd, mask=qm, other=0.0)
+    q1 = tl.load(q_rows + (HALF + d[None, :]) * stride_qd, mask=qm, other=0.0)
+    ctx = tl.load(lens_ptr + seq)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(0, ctx, TILE_N):
+        pos = start + n
+        valid = pos < ctx
+        c0, c1 = _kv_tile(
+            first_ptr, second_ptr, tables_ptr + seq * stride_tb, stride_tw, pos, valid, d, d_mask,
+            stride_cb, stride_cs, stride_cd, stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
+        )  # fmt: skip
+        s = tl.dot(q0, tl.trans(c0), input_precision=PRECISION)
+        s = tl.dot(q1, tl.trans(c1), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = tl.dot(p.to(c0.dtype), c0, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(p.to(c1.dtype), c1, acc1 * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    out_rows = out_ptr + seq * stride_ob + h[:, None] * stride_oh
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_rows + d[None, :] * stride_od, (acc0 / l_i[:, None]).to(ty), mask=qm & (d[None, :] < RANK))
+    tl.store(
+        out_rows + (HALF + d[None, :]) * stride_od,
+        (acc1 / l_i[:, None]).to(ty),
+        mask=qm & (HALF + d[None, :] < RANK),
+    )
+
+
+def latent_decode_attention(
+    q: torch.Tensor,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    rank: int,
+) -> torch.Tensor:
+    """MLA's absorbed decode: q [B, H, W] (W = rank + rope) over the latent rows in the half planes
+    [1, num_blocks, bs, W/2]; context_lens [B] (each >= 1). Returns [B, H, rank], the contract of
+    `model.mla.latent_decode_attention_reference`."""
+    b, heads, width = q.shape
+    _, _, block_size, half = first.shape
+    if second.shape != first.shape or width != 2 * half or first.shape[0] != 1 or not 0 < rank <= width:
+        raise ValueError(f"q {tuple(q.shape)} does not fit latent planes {tuple(first.shape)}")
+    if first.stride() != second.stride():
+        raise ValueError("the two latent planes must have the same strides")
+    out = q.new_empty(b, heads, rank)
+    if b == 0:
+        return out
+    block_h = 16
+    _latent_decode_kernel[(b, triton.cdiv(heads, block_h))](
+        q, first, second, block_tables, context_lens.contiguous(), out,
+        scale * _LOG2E,
+        *q.stride(), *first.stride()[1:], *block_tables.stride(), *out.stride(),
+        HEADS=heads, HALF=half, RANK=rank, BLOCK_SIZE=block_size,
+        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(half)),
         TILE_N=max(32, triton.next_power_of_2(block_size)), PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out

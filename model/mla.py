@@ -53,6 +53,7 @@ class LatentAttention(nn.Module):
         self.o = nn.Parameter(torch.empty(h * self.v_dim, hidden), requires_grad=False)
         self.scale = cfg.softmax_scale
         self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`): latent decode attention there
+        self.triton = False  # the Triton kernels (`use_triton`): latent decode attention there
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +109,14 @@ class LatentAttention(nn.Module):
             return cpu_ops().latent_decode(query, w_uk, w_uv, kv[0], kv[1], *tables, self.scale)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [B, H, rank]
         query = torch.cat((q_lat, q_rope), dim=-1)
-        attn = latent_decode_attention_reference(query, kv[0], kv[1], *tables, self.scale, self.rank)
+        if self.triton:
+            from kvferry.kernels import triton_attention
+
+            attn = triton_attention.latent_decode_attention(
+                query, kv[0], kv[1], *tables, self.scale, self.rank
+            )
+        else:
+            attn = latent_decode_attention_reference(query, kv[0], kv[1], *tables, self.scale, self.rank)
         return torch.bmm(attn.transpose(0, 1), w_uv.to(attn.dtype)).transpose(0, 1)  # [B, H, v]
 
     def _prefill(self, query, rows, kv, chunk: PrefillChunk) -> torch.Tensor:
