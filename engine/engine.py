@@ -23,6 +23,7 @@ from kvferry.engine.cost_model import StepCostModel, step_pairs
 from kvferry.engine.draft_model import DraftModelProposer
 from kvferry.engine.kv_handoff import KVHandoff
 from kvferry.engine.model_runner import ModelRunner, StepInputs, kv_block_bytes
+from kvferry.engine.mtp_proposer import MtpProposer
 from kvferry.engine.output import Completion, OutputState, RequestOutput
 from kvferry.engine.request import (
     InvalidRequestError,
@@ -291,7 +292,7 @@ class LLMEngine:
         self.num_steps = 0
         self.step_costs = StepCostModel()  # step time against batch size: SLO-aware admission's cost model
         speculative = SpeculativeConfig.parse(cfg.speculative_config)
-        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.proposer: NgramProposer | DraftModelProposer | MtpProposer | None = None
         if speculative is not None and speculative.method == "draft_model":
             try:
                 self.proposer = DraftModelProposer(
@@ -307,6 +308,13 @@ class LLMEngine:
                 )
             except SpeculativeConfigError as err:
                 raise EngineConfigError(str(err)) from None
+        elif speculative is not None and speculative.method == "mtp":
+            if self.model.mtp is None:
+                raise EngineConfigError(
+                    "speculative_config.method mtp: this checkpoint has no MTP layer "
+                    "(num_nextn_predict_layers with its weights, as DeepSeek-V3's)"
+                )
+            self.proposer = MtpProposer(speculative, self.runner, self.block_manager)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
         self.spec_proposed = 0  # draft tokens verified, and those the target accepted
@@ -446,9 +454,13 @@ class LLMEngine:
                 continue
             room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
             eligible.append((req, room - 1))
-        items = [(req.request_id, req.all_token_ids, limit) for req, limit in eligible]
-        running = {req.request_id for req in self.scheduler.running}
-        for (req, _), drafts in zip(eligible, self.proposer.propose_batch(items, running), strict=True):
+        if isinstance(self.proposer, MtpProposer):
+            proposals = self.proposer.propose(eligible)
+        else:
+            items = [(req.request_id, req.all_token_ids, limit) for req, limit in eligible]
+            running = {req.request_id for req in self.scheduler.running}
+            proposals = self.proposer.propose_batch(items, running)
+        for (req, _), drafts in zip(eligible, proposals, strict=True):
             req.spec_tokens = drafts
 
     def _update(

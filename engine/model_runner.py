@@ -12,7 +12,7 @@ from kvferry.engine.scheduler import ScheduledBatch
 from kvferry.engine.structured import fill_mask, masks
 from kvferry.kernels.int8 import kv_row_width
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
-from kvferry.model.qwen3_moe import Qwen3MoeModel
+from kvferry.model.qwen3_moe import MtpInputs, Qwen3MoeModel
 from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample, token_logprobs
 
 
@@ -20,7 +20,7 @@ def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) ->
     """Bytes of one block of this rank's cache (its KV heads only under tensor parallelism)."""
     cfg = model.cfg
     width = kv_row_width(cfg.kv_cache_dim, dtype)
-    return cfg.num_layers * 2 * block_size * model.num_local_kv_heads * width * dtype.itemsize
+    return cfg.num_cache_layers * 2 * block_size * model.num_local_kv_heads * width * dtype.itemsize
 
 
 @dataclass
@@ -38,6 +38,11 @@ class StepInputs:
         default_factory=list
     )  # q_start, q_len, ctx, table
     sample_rows: list[int] = field(default_factory=list)
+    # a model with an MTP layer: each token's previous hidden state for its MTP cache row (`MtpInputs`): a
+    # row of this step (>= 0), none (-1: the row goes to the sink), or mtp_saved[-2 - value] (the leader's
+    # own: a tensor-parallel leader never sends these, it recomputes a token instead)
+    mtp_prev: list[int] = field(default_factory=list)
+    mtp_saved: list[torch.Tensor] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -65,8 +70,9 @@ class ModelRunner:
         # [L, 2 (K/V), Hkv, num_blocks + 1 (the sink), block_size, D]: head-major for batched attention reads
         # (an int8 cache: D + 4, each row's values and its scale)
         width = kv_row_width(cfg.kv_cache_dim, dtype)
-        shape = (cfg.num_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, width)
+        shape = (cfg.num_cache_layers, 2, model.num_local_kv_heads, num_blocks + 1, block_size, width)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.hidden: torch.Tensor | None = None  # a model with an MTP layer: the last step's hidden states
         self.eos_ids: tuple[int, ...] = ()  # what a grammar in its error state allows (ends the request)
         # tensor-parallel leader: each step's inputs go to the followers before the forward pass
         self.broadcast_step: Callable[[StepInputs], None] | None = None
@@ -85,9 +91,24 @@ class ModelRunner:
         bs = self.block_size
         spec: list[tuple[Request, int]] = []  # (request, its first row): decodes with drafts
         spec_rows: list[int] = []
+        mtp = self.model.mtp is not None
+        kept: list[tuple[Request, int, int]] = []  # MTP: (request, its first row, its first position)
         for req, n in work:
             start = req.num_computed_tokens
+            extra = mtp and self._recompute_for_mtp(req, start)
+            if extra:  # position start - 1 again, for its hidden state (its K/V to the sink: cached)
+                step.input_ids += req.token_ids(start - 1, 1)
+                step.positions.append(start - 1)
+                step.slot_blocks.append(self.sink_block)
+                step.slot_offsets.append((start - 1) % bs)
             row = len(step.input_ids)
+            if mtp:  # (the recomputed token's own MTP row: unknown, to the sink)
+                kept.append((req, row, start))
+                step.mtp_prev += [-1] * extra
+                step.mtp_prev += [
+                    self._mtp_first_prev(step, req, start, row, extra),
+                    *range(row, row + n - 1),
+                ]
             drafts = req.spec_tokens
             step.input_ids += req.token_ids(start, n - len(drafts)) + drafts
             step.positions += range(start, start + n)
@@ -97,10 +118,10 @@ class ModelRunner:
             ]
             step.slot_offsets += [p % bs for p in range(start, start + n)]
             if n == 1 or drafts:
-                step.decode_tables += [req.block_ids] * n
-                step.decode_lens += range(start + 1, start + n + 1)
+                step.decode_tables += [req.block_ids] * (n + extra)
+                step.decode_lens += range(start + 1 - extra, start + n + 1)
             else:
-                step.prefills.append((row, n, start + n, req.block_ids))
+                step.prefills.append((row - extra, n + extra, start + n, req.block_ids))
             if drafts:  # logits at the last token and after each draft
                 spec.append((req, len(spec_rows)))
                 spec_rows += range(row, row + n)
@@ -117,6 +138,7 @@ class ModelRunner:
             self.broadcast_step(step)
         logits = self.execute(step)
         if not sampled_reqs and not scored and not spec:
+            self._keep_mtp_hidden(kept, {}, batch)
             return {}
         if scored:
             self._score_prompts(logits, num_sampled + len(spec_rows), scored)
@@ -128,9 +150,53 @@ class ModelRunner:
             )
             for req, at in spec
         }
+        self._keep_mtp_hidden(kept, verified, batch)
         if not sampled_reqs:
             return verified
         return self._sample(logits, num_sampled, sampled_reqs) | verified
+
+    def _recompute_for_mtp(self, req: Request, start: int) -> bool:
+        """Whether `req`'s step starts one token early for the MTP layer: its first token's MTP row needs
+        the hidden state of the token before, which this process does not hold (a prefix-cache hit, KV
+        from another worker, a tensor-parallel leader whose followers could not be sent it)."""
+        if start == 0:
+            return False
+        known = req.mtp_hidden is not None and req.mtp_hidden[0] == start - 1
+        return not known or self.broadcast_step is not None
+
+    @staticmethod
+    def _mtp_first_prev(step: StepInputs, req: Request, start: int, row: int, extra: bool) -> int:
+        """The `StepInputs.mtp_prev` entry of a request's first row of the step."""
+        if extra:
+            return row - 1
+        if start == 0:
+            return -1
+        step.mtp_saved.append(req.mtp_hidden[1])
+        return -1 - len(step.mtp_saved)
+
+    def _keep_mtp_hidden(self, kept, verified: dict, batch: ScheduledBatch) -> None:
+        """Each request's hidden state at its last accepted position (`Request.mtp_hidden`)."""
+        if not kept or self.hidden is None:
+            return
+        counts = dict(batch.work)
+        for req, row, start in kept:
+            accepted = len(verified[req]) if req in verified else counts[req]
+            req.mtp_hidden = (start + accepted - 1, self.hidden[row + accepted - 1].clone())
+
+    def _mtp_inputs(self, step: StepInputs, meta: AttentionMetadata) -> MtpInputs:
+        tokens, dev = len(step.input_ids), self.device
+        hidden = self.model.cfg.hidden_size
+        saved = torch.stack([*step.mtp_saved, torch.zeros(hidden, device=dev)]).to(dev)
+        none = tokens + len(step.mtp_saved)  # the zeros row
+        prev = [r if r >= 0 else none if r == -1 else tokens - 2 - r for r in step.mtp_prev]
+        blocks = [
+            self.sink_block if r == -1 else b for r, b in zip(step.mtp_prev, step.slot_blocks, strict=True)
+        ]
+        return MtpInputs(
+            torch.tensor(prev, dtype=torch.long, device=dev),
+            saved,
+            torch.tensor(blocks, dtype=torch.long, device=dev),
+        )
 
     def _sample(self, logits: torch.Tensor, num_sampled: int, sampled_reqs: list[Request]):
         rows = [self._sample_row(r) for r in sampled_reqs]
@@ -211,7 +277,9 @@ class ModelRunner:
             torch.tensor(step.positions, dtype=torch.long, device=dev),
             self.kv_cache,
             meta,
+            self._mtp_inputs(step, meta) if self.model.mtp is not None and step.mtp_prev else None,
         )
+        self.hidden = hidden if self.model.mtp is not None else None
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[step.sample_rows])

@@ -212,6 +212,9 @@ class Request:
     error: str = ""  # why it ended FINISHED_ERROR (set as the token that failed is added)
     sibling_samples: list = field(default_factory=list)  # params.n > 1: the other first tokens (Sampled)
     spec_tokens: list[int] = field(default_factory=list)  # this step's draft tokens (engine.spec_decode)
+    # a model with an MTP layer: (position, the target's final hidden state there) of its last accepted
+    # token, what the next step's MTP cache row and the MTP proposer start from (`engine.model_runner`)
+    mtp_hidden: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.params.temperature > 0 and self.params.seed is not None:

@@ -3,9 +3,11 @@
 `--speculative-config` takes vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_max": N, "prompt_lookup_min": M}`, or `{"method": "draft_model", "model": DIR_OR_NAME,
 "num_speculative_tokens": K}` (a smaller model on the same tokenizer, `engine/draft_model.py`; a `model`
-without a method means draft_model, as in vLLM). Before each step the engine asks the proposer for up to
-K tokens for every request in steady decode; the scheduler computes the request's last token and its
-drafts as one row of K + 1 tokens, the model runner samples at each of those positions and
+without a method means draft_model, as in vLLM), or `{"method": "mtp", "num_speculative_tokens": K}`
+(the checkpoint's multi-token-prediction layer, `engine/mtp_proposer.py`). Before each step the engine
+asks the proposer for up to K tokens for every request in steady decode; the scheduler computes the
+request's last token and its drafts as one row of K + 1 tokens, the model runner samples at each of
+those positions and
 `model.sampler.speculative_sample` keeps the drafts the target agrees with plus one token of its own
 (greedy: exactly the non-speculative output; sampled: the target's distribution, by rejection). KV
 written for rejected drafts lies past the request's computed tokens and is overwritten later.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 class SpeculativeConfigError(ValueError):
@@ -80,8 +82,10 @@ class SpeculativeConfig:
                 "speculative_config.model must name the draft model (a checkpoint directory or a built-in "
                 "name such as draft) for method draft_model"
             )
-        if self.method == "ngram" and self.model is not None:
-            raise SpeculativeConfigError("speculative_config.model goes with method draft_model, not ngram")
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            raise SpeculativeConfigError(
+                f"speculative_config.model goes with method draft_model, not {self.method}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "

@@ -166,7 +166,7 @@ def paged_decode_attention(
 @triton.jit
 def _latent_decode_kernel(
     q_ptr, first_ptr, second_ptr, tables_ptr, lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, skip,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_cd,
     stride_tb, stride_tw,
@@ -195,7 +195,7 @@ def _latent_decode_kernel(
     acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start in range(0, ctx, TILE_N):
         pos = start + n
-        valid = pos < ctx
+        valid = (pos < ctx) & (pos >= skip)
         c0, c1 = _kv_tile(
             first_ptr, second_ptr, tables_ptr + seq * stride_tb, stride_tw, pos, valid, d, d_mask,
             stride_cb, stride_cs, stride_cd, stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
@@ -228,10 +228,11 @@ def latent_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     rank: int,
+    skip: int = 0,
 ) -> torch.Tensor:
     """MLA's absorbed decode: q [B, H, W] (W = rank + rope) over the latent rows in the half planes
-    [1, num_blocks, bs, W/2]; context_lens [B] (each >= 1). Returns [B, H, rank], the contract of
-    `model.mla.latent_decode_attention_reference`."""
+    [1, num_blocks, bs, W/2]; context_lens [B] (each > skip); positions below `skip` not attended.
+    Returns [B, H, rank], the contract of `model.mla.latent_decode_attention_reference`."""
     b, heads, width = q.shape
     _, _, block_size, half = first.shape
     if second.shape != first.shape or width != 2 * half or first.shape[0] != 1 or not 0 < rank <= width:
@@ -244,7 +245,7 @@ def latent_decode_attention(
     block_h = 16
     _latent_decode_kernel[(b, triton.cdiv(heads, block_h))](
         q, first, second, block_tables, context_lens.contiguous(), out,
-        scale * _LOG2E,
+        scale * _LOG2E, skip,
         *q.stride(), *first.stride()[1:], *block_tables.stride(), *out.stride(),
         HEADS=heads, HALF=half, RANK=rank, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(half)),

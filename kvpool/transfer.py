@@ -97,7 +97,9 @@ class BlockLayout:
         rank writes its slice of them) in the KV cache's dtype (`model.config.kv_cache_dtype`); for an
         int8 cache `head_dim` is a row's width, D + 4 (its values and scale, `kernels.int8`)."""
         width = kv_row_width(model_cfg.kv_cache_dim, kv_dtype)
-        return cls(model_cfg.num_layers, model_cfg.num_kv_heads, block_size, width, dtype_name(kv_dtype))
+        return cls(
+            model_cfg.num_cache_layers, model_cfg.num_kv_heads, block_size, width, dtype_name(kv_dtype)
+        )
 
 
 def check_interface(name: str) -> None:

@@ -40,6 +40,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [Bd, W] the decodes' block ids, rows padded with block 0
     context_lens: torch.Tensor | None = None  # [Bd] tokens each decode attends over
     prefills: list[PrefillChunk] = field(default_factory=list)
+    skip_keys: int = 0  # decodes attend from this position on (the MTP layer's slot 0 holds no entry)
 
     @classmethod
     def build(

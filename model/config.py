@@ -5,6 +5,7 @@ and DeepSeek-V3's Multi-head Latent Attention, shared experts and grouped sigmoi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -91,6 +92,12 @@ class ModelConfig:
     def mla(self) -> bool:
         """Multi-head Latent Attention (DeepSeek-V3): the cache holds one latent row per token."""
         return self.kv_lora_rank > 0
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers of the KV cache (and of a pool block): the decoder's, then the multi-token-prediction
+        layer's (DeepSeek-V3's MTP; its KV travels with the sequence like every other layer's)."""
+        return self.num_layers + min(self.num_mtp_layers, 1)
 
     @property
     def rope_dim(self) -> int:
@@ -181,7 +188,27 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{path} does not exist")
-        return cls.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
+        cfg = cls.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
+        if cfg.num_mtp_layers and not _has_tensor(
+            Path(model_dir), f"model.layers.{cfg.num_layers}.eh_proj.weight"
+        ):
+            # a checkpoint whose config names MTP layers it does not ship (many conversions drop them)
+            cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+        return cfg
+
+
+def _has_tensor(model_dir: Path, name: str) -> bool:
+    """Whether the checkpoint in `model_dir` holds tensor `name` (its index, else its one file's header)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return name in json.loads(index.read_text()).get("weight_map", {})
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return name in set(f.keys())
 
 
 def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:

@@ -129,8 +129,9 @@ def create_from_spec(
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Seeded tensors named as in HF (Qwen3-MoE, Qwen3, Llama); each has its own seed from its name."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    """Seeded tensors named as in HF (Qwen3-MoE, Qwen3, Llama, DeepSeek-V3); each has its own seed from its
+    name."""
+    h = cfg.hidden_size
     shapes: dict[str, tuple[tuple[int, ...], float]] = {
         "model.embed_tokens.weight": ((cfg.vocab_size, h), 1.0),
         "model.norm.weight": ((h,), 0.0),
@@ -138,50 +139,62 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = ((cfg.vocab_size, h), 4.0 / h**0.5)  # peaked logits, few near-ties
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": ((h,), 0.0),
-            p + "post_attention_layernorm.weight": ((h,), 0.0),
-        }
-        if cfg.mla:
-            shapes |= _latent_attention_shapes(cfg, p + "self_attn.")
-        else:
-            shapes |= {
-                p + "self_attn.q_proj.weight": ((cfg.q_size, h), 0.02),
-                p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
-                p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
-                p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
-            }
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = ((d,), 0.0)
-            shapes[p + "self_attn.k_norm.weight"] = ((d,), 0.0)
-        if cfg.is_moe_layer(i):
-            inter = cfg.moe_intermediate_size
-            shapes[p + "mlp.gate.weight"] = ((cfg.num_experts, h), 1.0 / h**0.5)
-            for e in range(cfg.num_experts):
-                q = f"{p}mlp.experts.{e}."
-                shapes |= {
-                    q + "gate_proj.weight": ((inter, h), 0.02),
-                    q + "up_proj.weight": ((inter, h), 0.02),
-                    q + "down_proj.weight": ((h, inter), 0.02),
-                }
-            if cfg.sigmoid_routing:  # a correction bias that changes some choices
-                shapes[p + "mlp.gate.e_score_correction_bias"] = ((cfg.num_experts,), 0.1)
-            if cfg.n_shared_experts:
-                q, shared = p + "mlp.shared_experts.", inter * cfg.n_shared_experts
-                shapes |= {
-                    q + "gate_proj.weight": ((shared, h), 0.02),
-                    q + "up_proj.weight": ((shared, h), 0.02),
-                    q + "down_proj.weight": ((h, shared), 0.02),
-                }
-        else:
-            inter = cfg.intermediate_size
-            shapes |= {
-                p + "mlp.gate_proj.weight": ((inter, h), 0.02),
-                p + "mlp.up_proj.weight": ((inter, h), 0.02),
-                p + "mlp.down_proj.weight": ((h, inter), 0.02),
-            }
+        shapes |= _layer_shapes(cfg, i, f"model.layers.{i}.")
+    if cfg.num_mtp_layers:  # DeepSeek's MTP module, as its checkpoints name it (embed and head: the model's)
+        p = f"model.layers.{cfg.num_layers}."
+        shapes |= _layer_shapes(cfg, cfg.num_layers, p)
+        shapes |= {p + n: ((h,), 0.0) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+        shapes[p + "eh_proj.weight"] = ((h, 2 * h), 0.02)
     return {name: _seeded(name, shape, std, seed).to(dtype) for name, (shape, std) in shapes.items()}
+
+
+def _layer_shapes(cfg: ModelConfig, i: int, p: str) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Decoder layer `i`'s tensors (HF names under `p`, shapes, std)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[tuple[int, ...], float]] = {}
+    shapes |= {
+        p + "input_layernorm.weight": ((h,), 0.0),
+        p + "post_attention_layernorm.weight": ((h,), 0.0),
+    }
+    if cfg.mla:
+        shapes |= _latent_attention_shapes(cfg, p + "self_attn.")
+    else:
+        shapes |= {
+            p + "self_attn.q_proj.weight": ((cfg.q_size, h), 0.02),
+            p + "self_attn.k_proj.weight": ((cfg.kv_size, h), 0.02),
+            p + "self_attn.v_proj.weight": ((cfg.kv_size, h), 0.02),
+            p + "self_attn.o_proj.weight": ((h, cfg.q_size), 0.02),
+        }
+    if cfg.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = ((d,), 0.0)
+        shapes[p + "self_attn.k_norm.weight"] = ((d,), 0.0)
+    if cfg.is_moe_layer(i):
+        inter = cfg.moe_intermediate_size
+        shapes[p + "mlp.gate.weight"] = ((cfg.num_experts, h), 1.0 / h**0.5)
+        for e in range(cfg.num_experts):
+            q = f"{p}mlp.experts.{e}."
+            shapes |= {
+                q + "gate_proj.weight": ((inter, h), 0.02),
+                q + "up_proj.weight": ((inter, h), 0.02),
+                q + "down_proj.weight": ((h, inter), 0.02),
+            }
+        if cfg.sigmoid_routing:  # a correction bias that changes some choices
+            shapes[p + "mlp.gate.e_score_correction_bias"] = ((cfg.num_experts,), 0.1)
+        if cfg.n_shared_experts:
+            q, shared = p + "mlp.shared_experts.", inter * cfg.n_shared_experts
+            shapes |= {
+                q + "gate_proj.weight": ((shared, h), 0.02),
+                q + "up_proj.weight": ((shared, h), 0.02),
+                q + "down_proj.weight": ((h, shared), 0.02),
+            }
+    else:
+        inter = cfg.intermediate_size
+        shapes |= {
+            p + "mlp.gate_proj.weight": ((inter, h), 0.02),
+            p + "mlp.up_proj.weight": ((inter, h), 0.02),
+            p + "mlp.down_proj.weight": ((h, inter), 0.02),
+        }
+    return shapes
 
 
 def _latent_attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[tuple[int, ...], float]]:

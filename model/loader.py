@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 # parameters stored [in, out]: the transpose of HF's [out, in] nn.Linear weights
-_INPUT_MAJOR = {"qkv", "o", "w13", "w2", "router", "lm_head", "q", "q_a", "q_b", "kv_a", "kv_b"}
+_INPUT_MAJOR = {"qkv", "o", "w13", "w2", "router", "lm_head", "q", "q_a", "q_b", "kv_a", "kv_b", "eh_proj"}
 _FLOAT32 = {"e_bias"}  # kept in float32 whatever the dtype (as transformers keeps DeepSeek's)
 
 
@@ -99,7 +99,8 @@ class _Split:
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         leaf = name.split(".")[-1]
-        if self.ep.size > 1 and leaf in ("w13", "w2") and t.dim() == 3:  # experts: this rank's range
+        ep_split = self.ep.size > 1 and not name.startswith("mtp.")  # (the MTP layer's experts: whole)
+        if ep_split and leaf in ("w13", "w2") and t.dim() == 3:  # experts: this rank's range
             experts = expert_range(t.shape[0], self.ep.size, self.ep.rank)
             return t[experts.start : experts.stop]
         if self.tp_size == 1:
@@ -151,36 +152,52 @@ def _weight_plan(cfg: ModelConfig, r: CheckpointReader) -> dict[str, Callable[[]
         ),
     }
     for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        plan[ours + "input_norm.weight"] = lambda p=hf: r.get(p + "input_layernorm.weight")
-        plan[ours + "post_attn_norm.weight"] = lambda p=hf: r.get(p + "post_attention_layernorm.weight")
-        plan[ours + "attn.o"] = lambda p=attn: r.get(p + "o_proj.weight")
-        if cfg.mla:
-            plan |= _latent_attention_plan(cfg, r, attn, ours + "attn.")
-        else:
-            plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qk_norm:
-            plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
-            plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
-        mlp = hf + "mlp."
-        if cfg.is_moe_layer(i):
-            plan[ours + "mlp.router"] = lambda p=mlp: r.get(p + "gate.weight")
-            plan[ours + "mlp.w13"] = lambda p=mlp: _experts_w13(r, p, cfg.num_experts)
-            plan[ours + "mlp.w2"] = lambda p=mlp: _experts_w2(r, p, cfg.num_experts)
-            if cfg.sigmoid_routing:
-                plan[ours + "mlp.e_bias"] = lambda p=mlp: r.get(p + "gate.e_score_correction_bias")
-            if cfg.n_shared_experts:
-                shared = mlp + "shared_experts."
-                plan[ours + "mlp.shared.w13"] = lambda p=shared: torch.cat(
-                    [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
-                )
-                plan[ours + "mlp.shared.w2"] = lambda p=shared: r.get(p + "down_proj.weight")
-        else:
-            plan[ours + "mlp.w13"] = lambda p=mlp: torch.cat(
+        plan |= _layer_plan(cfg, r, i, f"model.layers.{i}.", f"layers.{i}.")
+    if (
+        cfg.num_mtp_layers
+    ):  # DeepSeek's MTP module: the layer after the last (its embed / head are the model's)
+        hf = f"model.layers.{cfg.num_layers}."
+        plan |= _layer_plan(cfg, r, cfg.num_layers, hf, "mtp.block.")
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("head_norm", "shared_head.norm")):
+            plan[f"mtp.{ours}.weight"] = lambda n=theirs: r.get(f"{hf}{n}.weight")
+        plan["mtp.eh_proj"] = lambda: r.get(hf + "eh_proj.weight")
+    return plan
+
+
+def _layer_plan(
+    cfg: ModelConfig, r: CheckpointReader, i: int, hf: str, ours: str
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Decoder layer `i`'s parameters (ours prefixed `ours`) from the HF tensors prefixed `hf`."""
+    plan: dict[str, Callable[[], torch.Tensor]] = {}
+    attn = hf + "self_attn."
+    plan[ours + "input_norm.weight"] = lambda p=hf: r.get(p + "input_layernorm.weight")
+    plan[ours + "post_attn_norm.weight"] = lambda p=hf: r.get(p + "post_attention_layernorm.weight")
+    plan[ours + "attn.o"] = lambda p=attn: r.get(p + "o_proj.weight")
+    if cfg.mla:
+        plan |= _latent_attention_plan(cfg, r, attn, ours + "attn.")
+    else:
+        plan[ours + "attn.qkv"] = lambda p=attn: torch.cat([r.get(p + f"{n}_proj.weight") for n in "qkv"])
+    if cfg.qk_norm:
+        plan[ours + "attn.q_norm.weight"] = lambda p=attn: r.get(p + "q_norm.weight")
+        plan[ours + "attn.k_norm.weight"] = lambda p=attn: r.get(p + "k_norm.weight")
+    mlp = hf + "mlp."
+    if cfg.is_moe_layer(i):
+        plan[ours + "mlp.router"] = lambda p=mlp: r.get(p + "gate.weight")
+        plan[ours + "mlp.w13"] = lambda p=mlp: _experts_w13(r, p, cfg.num_experts)
+        plan[ours + "mlp.w2"] = lambda p=mlp: _experts_w2(r, p, cfg.num_experts)
+        if cfg.sigmoid_routing:
+            plan[ours + "mlp.e_bias"] = lambda p=mlp: r.get(p + "gate.e_score_correction_bias")
+        if cfg.n_shared_experts:
+            shared = mlp + "shared_experts."
+            plan[ours + "mlp.shared.w13"] = lambda p=shared: torch.cat(
                 [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
             )
-            plan[ours + "mlp.w2"] = lambda p=mlp: r.get(p + "down_proj.weight")
+            plan[ours + "mlp.shared.w2"] = lambda p=shared: r.get(p + "down_proj.weight")
+    else:
+        plan[ours + "mlp.w13"] = lambda p=mlp: torch.cat(
+            [r.get(p + "gate_proj.weight"), r.get(p + "up_proj.weight")]
+        )
+        plan[ours + "mlp.w2"] = lambda p=mlp: r.get(p + "down_proj.weight")
     return plan
 
 

@@ -75,21 +75,7 @@ class LatentAttention(nn.Module):
         t, h = x.shape[0], self.num_heads
         lora = not hasattr(self, "q")
         q = linear(self.q_a_norm(linear(x, self.q_a)), self.q_b) if lora else linear(x, self.q)
-        q = q.view(t, h, self.nope + self.rope)
-        latent = linear(x, self.kv_a)
-        c = self.kv_a_norm(latent[:, : self.rank].contiguous())
-        if self.cpu_kernels:  # rotation and the cache write in one pass
-            cos, sin = (r.reshape(t, self.rope) for r in rope)
-            slots = (meta.slot_blocks, meta.slot_offsets)
-            q, row = cpu_ops().latent_rope_store(q, latent, c, cos, sin, *kv, *slots)
-            q_nope, q_rope = q[:, :, : self.nope], q[:, :, self.nope :]
-        else:
-            cos, sin = (r if r.dim() == 3 else r.unsqueeze(1) for r in rope)  # [T, 1, rope]
-            q_nope, q_rope = q[:, :, : self.nope], apply_rotary(q[:, :, self.nope :], cos, sin)
-            k_rope = apply_rotary(latent[:, None, self.rank :], cos, sin)[:, 0]
-            row = torch.cat((c, k_rope), dim=-1)  # [T, rank + rope]: what the cache holds
-            half = row.shape[1] // 2
-            write_kv(kv[0], kv[1], row[:, None, :half], row[:, None, half:], meta)
+        q_nope, q_rope, row = self._rotate_store(x, q.view(t, h, self.nope + self.rope), rope, kv, meta)
         out = x.new_empty(t, h, self.v_dim)
         if meta.num_decodes:
             nd = meta.num_decodes
@@ -100,23 +86,48 @@ class LatentAttention(nn.Module):
             out[rows] = self._prefill(query, row[rows], kv, chunk)
         return linear(out.view(t, h * self.v_dim), self.o)
 
+    def store(self, x: torch.Tensor, rope, kv, meta: AttentionMetadata) -> None:
+        """Only the cache write of `forward` (the latent rows of x's tokens into their slots)."""
+        self._rotate_store(x, x.new_empty(x.shape[0], 0, self.nope + self.rope), rope, kv, meta)
+
+    def _rotate_store(self, x, q, rope, kv, meta: AttentionMetadata):
+        """q [T, H, nope + rope] -> (q_nope, rotated q_rope, the latent rows [T, rank + rope]), the rows
+        written into the cache."""
+        t = x.shape[0]
+        latent = linear(x, self.kv_a)
+        c = self.kv_a_norm(latent[:, : self.rank].contiguous())
+        if self.cpu_kernels:  # rotation and the cache write in one pass
+            cos, sin = (r.reshape(t, self.rope) for r in rope)
+            slots = (meta.slot_blocks, meta.slot_offsets)
+            q, row = cpu_ops().latent_rope_store(q, latent, c, cos, sin, *kv, *slots)
+            return q[:, :, : self.nope], q[:, :, self.nope :], row
+        cos, sin = (r if r.dim() == 3 else r.unsqueeze(1) for r in rope)  # [T, 1, rope]
+        q_rope = apply_rotary(q[:, :, self.nope :], cos, sin)
+        k_rope = apply_rotary(latent[:, None, self.rank :], cos, sin)[:, 0]
+        row = torch.cat((c, k_rope), dim=-1)  # [T, rank + rope]: what the cache holds
+        half = row.shape[1] // 2
+        write_kv(kv[0], kv[1], row[:, None, :half], row[:, None, half:], meta)
+        return q[:, :, : self.nope], q_rope, row
+
     def _decode(self, q_nope, q_rope, kv, meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed: q_nope [B, H, nope] into the latent space, attention over the cached rows, W_uv."""
         w_uk, w_uv = self.absorbed()
-        tables = (meta.block_tables, meta.context_lens)
+        tables, skip = (meta.block_tables, meta.context_lens), meta.skip_keys
         if self.cpu_kernels:  # the three in one call
             query = torch.cat((q_nope, q_rope), dim=-1)
-            return cpu_ops().latent_decode(query, w_uk, w_uv, kv[0], kv[1], *tables, self.scale)
+            return cpu_ops().latent_decode(query, w_uk, w_uv, kv[0], kv[1], *tables, self.scale, skip)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [B, H, rank]
         query = torch.cat((q_lat, q_rope), dim=-1)
         if self.triton:
             from kvferry.kernels import triton_attention
 
             attn = triton_attention.latent_decode_attention(
-                query, kv[0], kv[1], *tables, self.scale, self.rank
+                query, kv[0], kv[1], *tables, self.scale, self.rank, skip
             )
         else:
-            attn = latent_decode_attention_reference(query, kv[0], kv[1], *tables, self.scale, self.rank)
+            attn = latent_decode_attention_reference(
+                query, kv[0], kv[1], *tables, self.scale, self.rank, skip
+            )
         return torch.bmm(attn.transpose(0, 1), w_uv.to(attn.dtype)).transpose(0, 1)  # [B, H, v]
 
     def _prefill(self, query, rows, kv, chunk: PrefillChunk) -> torch.Tensor:
@@ -161,14 +172,17 @@ def latent_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
     rank: int,
+    skip: int = 0,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, W] (W = rank + rope) against each sequence's cached latent rows
     (the half planes [1, num_blocks, bs, W/2], read through block_tables [B, Wb]; context_lens [B]), the
-    probabilities applied to the rows' first `rank` values. Returns [B, H, rank]."""
+    probabilities applied to the rows' first `rank` values; positions below `skip` are not attended.
+    Returns [B, H, rank]."""
     b, _, w = q.shape
     width = block_tables.shape[1] * first.shape[2]
     latent = gather_latent(first, second, block_tables.flatten(), q.dtype).view(b, width, w)
     scores = torch.bmm(q * scale, latent.transpose(1, 2))  # [B, H, S]
-    valid = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]
+    key = torch.arange(width, device=q.device)[None, :]
+    valid = (key < context_lens[:, None]) & (key >= skip)
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
     return torch.bmm(probs, latent[..., :rank])

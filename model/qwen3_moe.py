@@ -6,6 +6,7 @@ with latent attention (`mla.py`), grouped sigmoid routing and shared experts, `D
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from kvferry.model.config import ModelConfig
 from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, quantize, rms_norm
 from kvferry.model.mla import LatentAttention
 from kvferry.model.moe import DenseMLP, ExpertParallelMoe, Gating, SparseMoeBlock
-from kvferry.model.parallel import Parallel, TPShard
+from kvferry.model.parallel import Comm, Parallel, TPShard
 
 
 class Attention(nn.Module):
@@ -142,6 +143,45 @@ def rotary_of(cfg: ModelConfig, max_positions: int | None = None) -> RotaryEmbed
     )
 
 
+@dataclass
+class MtpInputs:
+    """What the multi-token-prediction layer's cache write needs for a step's tokens (`ModelRunner`):
+    slot p holds the entry of (token p, the target's hidden state at p - 1) at RoPE position p - 1 (vLLM's
+    entry p - 1), so a block's MTP rows depend on its own tokens only, like its other layers."""
+
+    prev: torch.Tensor  # [T] each token's previous hidden state: a row of this step's output, or T + j
+    saved: torch.Tensor  # [S, H] ... saved[j] (a state kept from an earlier step)
+    slot_blocks: torch.Tensor  # [T] the MTP row's block (the sink where the previous state is unknown)
+
+
+class MtpLayer(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module: h' = eh_proj([enorm(embed(t)), hnorm(h_prev)]), one
+    decoder layer (its own latent cache: the cache's last layer), shared_head's norm before the LM head.
+    Its experts are whole on every rank (no expert-parallel collectives: a rank drafts on its own)."""
+
+    PACKED = ("eh_proj",)
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Parameter(torch.empty(2 * h, h), requires_grad=False)
+        self.block = DecoderLayer(cfg, cfg.num_layers, Parallel(parallel.tp, Comm.single()))
+        self.head_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def inputs(self, embeds: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The block's input for tokens with these embeddings, previous hidden states and RoPE positions
+        (the embedding zeroed at position 0, as vLLM's DeepSeek MTP does)."""
+        embeds = embeds.masked_fill(positions[:, None] == 0, 0.0)
+        return linear(torch.cat((self.enorm(embeds), self.hnorm(prev)), dim=-1), self.eh_proj)
+
+    def forward(self, x: torch.Tensor, rope, kv, meta: AttentionMetadata) -> torch.Tensor:
+        """The block's output before shared_head's norm (what the next draft takes as its h_prev)."""
+        out, residual = self.block(x, None, rope, kv, meta)
+        return out + residual
+
+
 class Qwen3MoeModel(nn.Module):
     PACKED = ("lm_head",)
 
@@ -162,6 +202,7 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, vocab_rows), requires_grad=False)
         self.rotary = rotary_of(cfg, max_positions)
+        self.mtp = MtpLayer(cfg, parallel) if cfg.num_mtp_layers else None
 
     @torch.inference_mode()
     def forward(
@@ -170,19 +211,53 @@ class Qwen3MoeModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        mtp: MtpInputs | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [L, 2, Hkv, num_blocks, block_size, D]. Returns [T, H]."""
+        """input_ids, positions: [T]; kv_cache: [L (+ 1: the MTP layer's), 2, Hkv, num_blocks, block_size, D].
+        Returns the final hidden states [T, H]. `mtp`: also write the MTP layer's cache rows."""
+        layers = len(self.layers)
         if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
-            return self._decode_step(input_ids, positions, kv_cache, meta)
-        x, residual = self._embed(input_ids), None
-        rope = self.rotary(positions, x.dtype)
-        if self.cpu_kernels:  # [T, D] tables for the kernel
-            rope = tuple(t.squeeze(1) for t in rope)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
+            hidden = self._decode_step(input_ids, positions, kv_cache[:layers], meta)
+            embeds = F.embedding(input_ids, self.embed) if mtp is not None else None
+        else:
+            x, residual = self._embed(input_ids), None
+            embeds = x.clone() if mtp is not None else None  # (the first layer adds to x in place)
+            rope = self._rope(positions, x.dtype)
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache[:layers], strict=True)):
+                x, residual = layer(x, residual, rope, (k_cache, v_cache), meta)
+                if self.after_layer is not None:
+                    self.after_layer(i)
+            hidden = self.norm.add_forward(x, residual)
+        if self.mtp is not None:
+            if mtp is not None:
+                self._mtp_store(embeds, hidden, mtp, kv_cache[layers], meta, positions)
             if self.after_layer is not None:
-                self.after_layer(i)
-        return self.norm.add_forward(x, residual)
+                self.after_layer(layers)
+        return hidden
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.rotary(positions, dtype)
+        return tuple(t.squeeze(1) for t in rope) if self.cpu_kernels else rope  # the kernels take [T, D]
+
+    def _mtp_store(self, embeds, hidden, mtp: MtpInputs, kv, meta: AttentionMetadata, positions) -> None:
+        """The MTP layer's cache rows for this step's tokens (no attention or MLP: only its latent)."""
+        prev = torch.cat((hidden, mtp.saved.to(hidden.dtype)))[mtp.prev]
+        positions = (positions - 1).clamp(min=0)  # slot p: RoPE position p - 1 (slot 0 is never read)
+        x = self.mtp.inputs(embeds, prev, positions)
+        slots = AttentionMetadata(mtp.slot_blocks, meta.slot_offsets)
+        block = self.mtp.block
+        block.attn.store(block.input_norm(x), self._rope(positions, x.dtype), tuple(kv), slots)
+
+    def draft(
+        self, tokens: torch.Tensor, prev: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP pass for decode rows: tokens [B] at slots `meta` (the MTP entry of slot p: RoPE
+        position p - 1), previous hidden states [B, H]. Returns (float32 logits [B, V], the hidden states
+        a next pass takes)."""
+        positions = meta.context_lens - 2  # slot p = context - 1; its RoPE position p - 1
+        x = self.mtp.inputs(self._embed(tokens), prev, positions)
+        out = self.mtp(x, self._rope(positions, x.dtype), tuple(kv_cache[len(self.layers)]), meta)
+        return self.compute_logits(self.mtp.head_norm(out)), out
 
     def _decode_step(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A step of decodes only, every layer in one kernel call (`decode_weights`)."""

@@ -48,6 +48,7 @@ def step_to_proto(step: StepInputs) -> worker_pb2.GroupStep:
             for a, b, c, t in step.prefills
         ],
         sample_rows=step.sample_rows,
+        mtp_prev=step.mtp_prev,
     )
 
 
@@ -65,6 +66,7 @@ def step_from_proto(msg: worker_pb2.GroupStep) -> StepInputs:
         list(msg.decode_context_lens),
         [(p.q_start, p.q_len, p.context_len, list(p.block_table)) for p in msg.prefills],
         list(msg.sample_rows),
+        list(msg.mtp_prev),
     )
 
 

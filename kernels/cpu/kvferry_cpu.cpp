@@ -1014,17 +1014,18 @@ inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) { axpy(a
 // latent's width, rank + rope: the query folded into the latent space, then its rope part); the cache's two
 // half planes [1, num_blocks, bs, Wl/2] (float32, or int8 rows with scales: the blocks used are dequantized
 // once); block_tables [B, W]; context_lens [B]. Returns [B, H, rank]: softmax(scale q.row) applied to each
-// row's first `rank` values. Each row is read from memory once per (sequence, group of heads) and used by
+// row's first `rank` values; the first `skip` positions are not attended (the MTP layer's slot 0 holds no
+// entry). Each row is read from memory once per (sequence, group of heads) and used by
 // every head of the group while it is in cache; work items are (sequence, group of heads).
 at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first, const at::Tensor& second,
                                    const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale,
-                                   int64_t rank) {
+                                   int64_t rank, int64_t skip) {
   auto block_tables = block_tables_.to(at::kLong).contiguous();
   auto lens_t = context_lens_.to(at::kLong).contiguous();
   if (first.scalar_type() == at::kChar) {
     auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
     return latent_decode_attention(q_, dequantize_blocks(first, used), dequantize_blocks(second, used), tables, lens_t,
-                                   scale, rank);
+                                   scale, rank, skip);
   }
   check_f32(q_, "q");
   check_f32(first, "first");
@@ -1033,7 +1034,8 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
   auto q = q_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2), num_blocks = first.size(1), bs = first.size(2),
                 half = first.size(3), W = block_tables.size(1);
-  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && rank > 0 && rank <= Wl, "q [B, H, 2 * half], rank <= width");
+  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && rank > 0 && rank <= Wl && skip >= 0,
+              "q [B, H, 2 * half], rank <= width");
   auto out = at::empty({B, H, rank}, q.options());
   const float *qp = q.data_ptr<float>(), *p0 = first.data_ptr<float>(), *p1 = second.data_ptr<float>();
   const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = lens_t.data_ptr<int64_t>();
@@ -1048,16 +1050,17 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
     std::vector<float> scores;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
-      const int64_t len = std::min(lens[b], W * bs);
+      const int64_t end = std::min(lens[b], W * bs), len = std::max<int64_t>(end - skip, 0);
       float* ob = op + (b * H + h0) * rank;
       std::fill(ob, ob + std::max<int64_t>(hn, 0) * rank, 0.f);
       if (hn <= 0 || len == 0) continue;
       const float* qb = qp + (b * H + h0) * Wl;
       scores.resize(hn * len);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {  // score i: position skip + i
+        const int64_t t = skip + i;
         const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
         for (int64_t h = 0; h < hn; ++h)
-          scores[h * len + t] = dot_wide(qb + h * Wl, p0 + off, half) + dot_wide(qb + h * Wl + half, p1 + off, half);
+          scores[h * len + i] = dot_wide(qb + h * Wl, p0 + off, half) + dot_wide(qb + h * Wl + half, p1 + off, half);
       }
       for (int64_t h = 0; h < hn; ++h) {
         float* s = scores.data() + h * len;
@@ -1065,11 +1068,12 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
         const float inv = 1.f / exp_scaled(s, len, fscale, peak);
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = skip + i;
         const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
         for (int64_t h = 0; h < hn; ++h) {
-          axpy_wide(scores[h * len + t], p0 + off, ob + h * rank, lo);
-          if (hi > 0) axpy_wide(scores[h * len + t], p1 + off, ob + h * rank + lo, hi);
+          axpy_wide(scores[h * len + i], p0 + off, ob + h * rank, lo);
+          if (hi > 0) axpy_wide(scores[h * len + i], p1 + off, ob + h * rank + lo, hi);
         }
       }
     }
@@ -1203,7 +1207,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const
 // (no batched GEMM calls for a handful of rows).
 at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first,
                          const at::Tensor& second, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                         double scale) {
+                         double scale, int64_t skip) {
   check_f32(q_, "q");
   check_f32(w_uk_, "w_uk");
   check_f32(w_uv_, "w_uv");
@@ -1224,7 +1228,7 @@ at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at
       std::copy(src + nope, src + qk, dst + rank);
     }
   });
-  auto attn = latent_decode_attention(query, first, second, block_tables, context_lens, scale, rank);
+  auto attn = latent_decode_attention(query, first, second, block_tables, context_lens, scale, rank, skip);
   auto out = at::empty({T, H, vd}, q.options());
   const float* ap = attn.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1494,7 +1498,7 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
     auto c = rms_norm(latent.narrow(1, 0, rank).contiguous(), w[5], eps);
     auto query = std::get<0>(
         latent_rope_store(q.view({T, heads, qk}), latent, c, cos, sin, first, second, slot_blocks, slot_offsets));
-    auto out = latent_decode(query, w[6], w[7], first, second, block_tables, context_lens, scale);
+    auto out = latent_decode(query, w[6], w[7], first, second, block_tables, context_lens, scale, 0);
     h = add_rms_norm(packed_linear(out.view({T, heads * vd}), w[8], H), residual, w[9], eps);
     if (w[10].numel() > 0) {
       auto [top, ids] = grouped_topk(at::mm(h, w[10]), w[11], top_k, renormalize, n_group, topk_group, routed_scaling);
@@ -1530,7 +1534,7 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       "float scale) -> Tensor");
   m.def(
       "latent_decode_attention(Tensor q, Tensor first, Tensor second, Tensor block_tables, Tensor context_lens, "
-      "float scale, int rank) -> Tensor");
+      "float scale, int rank, int skip=0) -> Tensor");
   m.def(
       "latent_decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, "
       "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor context_lens, Tensor final_norm, int[] dims, "
@@ -1543,7 +1547,7 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       "float scaling) -> (Tensor, Tensor)");
   m.def(
       "latent_decode(Tensor q, Tensor w_uk, Tensor w_uv, Tensor first, Tensor second, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> Tensor");
+      "Tensor context_lens, float scale, int skip=0) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, Tensor slot_blocks, "

@@ -12,6 +12,7 @@ import torch
 from kvferry.engine.engine import EngineConfig, EngineConfigError, LLMEngine
 from kvferry.engine.request import InvalidRequestError, SamplingParams
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
+from kvferry.model.config import ModelConfig
 from kvferry.model.loader import load_model
 from kvferry.model.quant import w8a8_linear as reference_w8a8
 
@@ -257,6 +258,33 @@ def test_speculative_ngram_greedy_matches_transformers(checkpoint, prompts, refe
     engine = make_engine(checkpoint, speculative_config=NGRAM, **overrides)
     assert run_all(engine, prompts + loops) == want
     assert engine.spec_proposed > 0 and 0 < engine.spec_accepted <= engine.spec_proposed
+
+
+MTP = '{"method": "mtp", "num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"kernels": "torch"},
+        {"max_num_batched_tokens": 7},
+        {"num_kv_blocks": 16, "enable_prefix_caching": False},
+    ],
+    ids=["auto", "torch", "small-budget", "preempting"],
+)
+def test_speculative_mtp_greedy_matches_transformers(checkpoint, prompts, reference, overrides):
+    """The checkpoint's MTP layer as the proposer (DeepSeek-V3's): the non-speculative greedy tokens
+    (transformers'), batched, chunked, after prefix hits (the shared prompts) and preemptions, every
+    request drafting from its first decode step on. A checkpoint without an MTP layer is refused."""
+    engine_of = lambda: make_engine(checkpoint, speculative_config=MTP, **overrides)  # noqa: E731
+    if not ModelConfig.from_dir(checkpoint).num_mtp_layers:
+        with pytest.raises(EngineConfigError, match="no MTP layer"):
+            engine_of()
+        return
+    engine = engine_of()
+    assert run_all(engine, prompts, stagger=2) == reference
+    assert engine.spec_proposed >= 2 * len(prompts)
 
 
 def test_int8_weights_cpu_kernels_and_torch_reference_agree(checkpoint, prompts, monkeypatch):

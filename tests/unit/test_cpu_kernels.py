@@ -325,15 +325,17 @@ LATENT_CASES = [(16, 40, 64), (4, 32, 48), (5, 9, 17), (3, 24, 40)]  # heads, ha
 @pytest.mark.parametrize(("heads", "half", "rank"), LATENT_CASES)
 @pytest.mark.parametrize("lens", [[1], [16, 3, 40], [8, 9, 17, 33, 64]])
 @pytest.mark.parametrize("int8", [False, True])
-def test_latent_decode_attention(heads, half, rank, lens, int8):
+@pytest.mark.parametrize("skip", [0, 1])
+def test_latent_decode_attention(heads, half, rank, lens, int8, skip):
     """MLA's absorbed decode (`mla.latent_decode_attention_reference`): rows read through the tables from
     both half planes, float32 or int8 rows with their scales; V is the rows' first `rank` values (all of
-    the first plane and part of the second, or part of the first)."""
+    the first plane and part of the second, or part of the first); `skip` leading positions unread (the
+    MTP layer's slot 0; a sequence of one position then attends over none: zeros)."""
     from kvferry.model.mla import latent_decode_attention_reference
 
     args = latent_inputs(lens, heads, half, 8, int8)
-    out = cpu.ops().latent_decode_attention(*args, 0.2, rank)
-    expected = latent_decode_attention_reference(*args, 0.2, rank)
+    out = cpu.ops().latent_decode_attention(*args, 0.2, rank, skip)
+    expected = latent_decode_attention_reference(*args, 0.2, rank, skip).nan_to_num(0.0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
