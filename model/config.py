@@ -145,6 +145,12 @@ class ModelConfig:
             raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("attention_bias", False):
             raise ModelConfigError(f"attention_bias=true is not supported ({arch} in kvferry has none)")
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ModelConfigError(
+                f"quantization_config ({method}) is not supported: kvferry loads bf16/fp16/fp32 weights "
+                "(convert the checkpoint, e.g. DeepSeek-V3's fp8 release, to bf16 first)"
+            )
         theta, llama3, yarn = _rope(raw)
         try:
             heads = raw["num_attention_heads"]

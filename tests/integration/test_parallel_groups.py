@@ -164,12 +164,13 @@ def test_a_dense_llama_through_tp_prefill_and_the_pool(
 def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
     redis_server, tiny_deepseek_dir, tmp_path_factory, prompts, hf_greedy
 ):
-    """A DeepSeek-V3 (latent attention, shared experts, grouped routing): a TP=2 prefill group (heads
-    split, the latent replicated: rank 0 writes it) hands latent blocks through the pool to an EP=2
-    decode group (routed experts split, shared experts on both ranks), exact against transformers; the
-    shared-prefix prompt hits."""
+    """A DeepSeek-V3 (latent attention, shared experts, grouped routing, an MTP layer): a TP=2 prefill
+    group (heads split, the latent replicated: rank 0 writes it) hands latent blocks, the MTP layer's
+    rows among them, through the pool to an EP=2 decode group (routed experts split, shared experts on
+    both ranks) drafting with the MTP layer, exact against transformers; the shared-prefix prompt hits."""
     reference = hf_greedy(tiny_deepseek_dir, prompts, NEW_TOKENS)
-    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2)
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
+    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2, speculative_config=mtp)
     cluster = start(redis_server, tiny_deepseek_dir, tmp_path_factory, "deepseek", prefill, decode)
     with cluster:
         got = run_all(cluster.router_addr, prompts)
@@ -185,6 +186,8 @@ def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
             for s in decode.values():  # the group's load: two MoE layers (the first is dense), 8 experts
                 assert [len(layer.tokens) for layer in s.expert_load.layers] == [8, 8]
                 assert all(t > 0 for t in s.expert_load.rank_tokens)
+            drafts = "kvferry:spec_decode_num_draft_tokens_total"
+            wait_for(lambda: metric(cluster, drafts) >= len(prompts), 10, "the decode ranks' MTP drafts")
         finally:
             members.close()
 

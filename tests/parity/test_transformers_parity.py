@@ -332,6 +332,23 @@ def test_int8_kv_cache_cpu_kernels_and_torch_reference_agree(checkpoint, prompts
     assert int8_block * 4 * d == float_block * (d + 4)  # a row: D values + a 4-byte scale, against 4 D bytes
 
 
+def test_int8_kv_cache_keeps_perplexity(checkpoint, prompts):
+    """The int8 KV cache's rule (the trained model's is in tests/integration/test_trained_model.py): the
+    perplexity of every prompt token given the ones before, through the int8 cache, within 1% of the
+    model dtype's cache (here float32; K and V rows, or MLA's latent rows)."""
+    import math
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scored = [p for p in prompts if len(p) > 16]
+    nll = []
+    for cache in ("auto", "int8"):
+        engine = make_engine(checkpoint, kv_cache_dtype=cache, enable_prefix_caching=False)
+        done = engine.generate([{"prompt_token_ids": p, "params": params} for p in scored])
+        logprobs = [lp.logprob for c in done for lp in c.prompt_logprobs]
+        nll.append(-sum(logprobs) / len(logprobs))
+    assert math.exp(nll[1]) == pytest.approx(math.exp(nll[0]), rel=0.01)
+
+
 @pytest.mark.parametrize("draft", ["itself", "other"])
 def test_speculative_draft_model_greedy_matches_transformers(
     checkpoint, prompts, reference, tiny_model_dir, five_expert_model_dir, draft

@@ -57,6 +57,7 @@ def test_what_kvferry_cannot_honour_is_refused_by_name(change, words):
         ({"topk_group": 5}, "topk_group=5 must be in \\[1, n_group=4\\]"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\(fp8\\) is not supported"),
     ],
 )
 def test_deepseek_fields_kvferry_cannot_honour_are_refused_by_name(change, words):
