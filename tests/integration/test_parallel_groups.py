@@ -139,24 +139,29 @@ def test_greedy_parity(cluster_for, prompts, reference, controls_reference, tp, 
         members.close()
 
 
-def test_a_dense_llama_through_tp_prefill_and_the_pool(
-    redis_server, tiny_llama_dir, tmp_path_factory, prompts, hf_greedy
+@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_a_dense_model_through_tp_prefill_and_the_pool(
+    request, redis_server, checkpoint, tmp_path_factory, prompts, hf_greedy
 ):
-    """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling): a TP=2 prefill group hands its KV to a
-    decode worker through the pool, exact against transformers; the shared-prefix prompt hits. (An
-    expert-parallel decode group of a dense model is refused at launch: it has no experts to split.)"""
-    reference = hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
-    prefill, decode = group(tensor_parallel_size=2), group()
-    cluster = start(redis_server, tiny_llama_dir, tmp_path_factory, "llama", prefill, decode)
+    """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling) and a dense Qwen3: a TP=2 prefill group
+    hands its KV to two data-parallel decode workers through the pool, exact against transformers; the
+    shared-prefix prompt hits. (An expert-parallel decode group of a dense model is refused at launch:
+    it has no experts to split.)"""
+    model_dir = request.getfixturevalue(checkpoint)
+    reference = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    prefill, decode = group(tensor_parallel_size=2), group(replicas=2)
+    name = checkpoint.removesuffix("_dir")
+    cluster = start(redis_server, model_dir, tmp_path_factory, name, prefill, decode)
     with cluster:
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
-            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on the dense Llama"
+            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on {checkpoint}"
         members = Members(cluster)
         try:
             prefill = members.stats("prefill")
             assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(2, 0)]
             assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
+            assert len(members.stats("decode")) == 2
         finally:
             members.close()
 
