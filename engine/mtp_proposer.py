@@ -41,7 +41,11 @@ class MtpProposer:
         for i, (req, limit) in enumerate(items):
             k, pos = min(self.k, limit), req.num_computed_tokens
             known = req.mtp_hidden is not None and req.mtp_hidden[0] == pos - 1
-            if k > 0 and known and self.blocks.allocate(req, 1 + k):  # the slots of the drafts' rows
+            # the blocks of the drafts' rows, taken now; never the last free ones: every running request
+            # keeps one to grow into (drafts never cost a preemption)
+            new = self.blocks.blocks_needed(pos + 1 + k) - len(req.block_ids)
+            spare = new <= 0 or self.blocks.num_free_blocks - new >= len(items)
+            if k > 0 and known and spare and self.blocks.allocate(req, 1 + k):
                 work.append((i, req, k, pos))
         if not work:
             return out

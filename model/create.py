@@ -36,6 +36,8 @@ SPECS = (
     "tiny-llama",
     "tiny-deepseek",
     "tiny-deepseek-nolora",
+    "bench-qwen3",
+    "bench-llama",
     "bench-deepseek",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -166,21 +166,26 @@ def test_a_dense_model_through_tp_prefill_and_the_pool(
             members.close()
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny_deepseek_dir", "tiny_deepseek_nolora_dir"])
 def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
-    redis_server, tiny_deepseek_dir, tmp_path_factory, prompts, hf_greedy
+    request, redis_server, checkpoint, tmp_path_factory, prompts, hf_greedy
 ):
-    """A DeepSeek-V3 (latent attention, shared experts, grouped routing, an MTP layer): a TP=2 prefill
-    group (heads split, the latent replicated: rank 0 writes it) hands latent blocks, the MTP layer's
-    rows among them, through the pool to an EP=2 decode group (routed experts split, shared experts on
-    both ranks) drafting with the MTP layer, exact against transformers; the shared-prefix prompt hits."""
-    reference = hf_greedy(tiny_deepseek_dir, prompts, NEW_TOKENS)
-    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
-    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2, speculative_config=mtp)
-    cluster = start(redis_server, tiny_deepseek_dir, tmp_path_factory, "deepseek", prefill, decode)
+    """A DeepSeek-V3 (latent attention, shared experts, grouped routing; the first with a q LoRA, 4
+    expert groups and an MTP layer, the second without a q LoRA): a TP=2 prefill group (heads split, the
+    latent replicated: rank 0 writes it) hands latent blocks, the MTP layer's rows among them, through
+    the pool to an EP=2 decode group (routed experts split, shared experts on both ranks) drafting with
+    the MTP layer where there is one, exact against transformers; the shared-prefix prompt hits."""
+    model_dir = request.getfixturevalue(checkpoint)
+    reference = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    has_mtp = checkpoint == "tiny_deepseek_dir"
+    spec = {"speculative_config": '{"method": "mtp", "num_speculative_tokens": 2}'} if has_mtp else {}
+    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2, **spec)
+    name = checkpoint.removesuffix("_dir")
+    cluster = start(redis_server, model_dir, tmp_path_factory, name, prefill, decode)
     with cluster:
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
-            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on the DeepSeek-V3"
+            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on {checkpoint}"
         members = Members(cluster)
         try:
             prefill = members.stats("prefill")
@@ -188,11 +193,13 @@ def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
             assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
             decode = members.stats("decode")
             assert len(decode) == 2
-            for s in decode.values():  # the group's load: two MoE layers (the first is dense), 8 experts
-                assert [len(layer.tokens) for layer in s.expert_load.layers] == [8, 8]
+            experts = [8, 8] if has_mtp else [6, 6]  # the group's load: its MoE layers' experts
+            for s in decode.values():
+                assert [len(layer.tokens) for layer in s.expert_load.layers] == experts
                 assert all(t > 0 for t in s.expert_load.rank_tokens)
-            drafts = "kvferry:spec_decode_num_draft_tokens_total"
-            wait_for(lambda: metric(cluster, drafts) >= len(prompts), 10, "the decode ranks' MTP drafts")
+            if has_mtp:
+                drafts = "kvferry:spec_decode_num_draft_tokens_total"
+                wait_for(lambda: metric(cluster, drafts) >= len(prompts), 10, "the decode ranks' MTP drafts")
         finally:
             members.close()
 

@@ -13,6 +13,20 @@ from kvferry.model.create import load_spec
 from kvferry.model.layers import RotaryEmbedding, llama3_inv_freq
 
 
+def test_every_built_in_spec_loads_as_a_config():
+    """Every spec `kvferry model create` takes reads as the architecture it names (a bench-sized one of
+    each: Qwen3-MoE, dense Qwen3, Llama, DeepSeek-V3)."""
+    from kvferry.model.create import SPECS
+
+    archs = {n: ModelConfig.from_dict(load_spec(n)).architecture for n in SPECS}
+    assert {archs[n] for n in ("bench", "bench-qwen3", "bench-llama", "bench-deepseek")} == {
+        "Qwen3MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+        "DeepseekV3ForCausalLM",
+    }
+
+
 def test_each_built_in_spec_is_its_architecture():
     moe, qwen3, llama = (ModelConfig.from_dict(load_spec(n)) for n in ("tiny", "tiny-qwen3", "tiny-llama"))
     assert (moe.architecture, moe.qk_norm, moe.num_experts > 0) == ("Qwen3MoeForCausalLM", True, True)
