@@ -18,6 +18,8 @@ AVX-512 loop, int8 bit for bit); `amx()` says whether it serves. `KVFERRY_CPU_IS
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -134,22 +136,49 @@ def _build() -> bool:
     name = build_name()
     build_dir = load_settings().cache_dir / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{name}.so").exists():
-        print(f"kvferry: building the CPU kernels in {build_dir} (first start only, ~20 s)", file=sys.stderr)
     try:
-        cpp_extension.load(
-            name,
-            [str(path) for path in SOURCES],
-            extra_cflags=flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            if not (build_dir / f"{name}.so").exists():
+                print(
+                    f"kvferry: building the CPU kernels in {build_dir} (first start only, ~20 s)",
+                    file=sys.stderr,
+                )
+            cpp_extension.load(
+                name,
+                [str(path) for path in SOURCES],
+                extra_cflags=flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, or it failed: torch ops serve
         log.warning("kvferry CPU kernels unavailable, using torch ops: %s", str(exc).splitlines()[0])
         return False
     return True
+
+
+# torch's own guard of a build directory: a file (`lock`) created by the builder and removed when it is done
+TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold the build directory for this process's build (or load) of the kernels. torch guards a build
+    with a plain file that the builder deletes when done; a builder killed mid-build (a worker stopped at
+    start-up, a CI run cut off) leaves it behind, and every later start would wait on it forever. An
+    flock is released by the kernel when its holder dies however it dies, so under it any baton left is
+    a dead builder's: remove it, then build or load as torch does."""
+    with open(build_dir / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                log.warning("kvferry CPU kernels: removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def ops():

@@ -422,3 +422,37 @@ def test_latent_rope_store(int8):
     untouched = torch.ones(6, bs, dtype=torch.bool)
     untouched[blocks, offsets] = False
     assert not first[0][untouched].any() and not second[0][untouched].any()
+
+
+def test_a_builder_killed_midway_does_not_hold_every_later_start(tmp_path):
+    """A process killed while it builds the kernels (a worker stopped at start-up, a cut-off CI run) leaves
+    torch's baton file behind; the next start must not wait on it forever (as `cpp_extension.load` alone
+    does), while a live builder still holds everyone else off."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    holder = (
+        "import pathlib, sys, time\n"
+        "from kvferry.kernels import cpu\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "with cpu._build_lock(d):\n"
+        "    (d / cpu.TORCH_BATON).touch()\n"  # what cpp_extension.load makes first
+        "    print('building', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "building"
+        # a live builder holds the directory
+        with open(tmp_path / "build.flock", "a") as probe, pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        child.kill()
+        child.wait()
+    assert (tmp_path / cpu.TORCH_BATON).exists()  # the dead builder's baton
+    with cpu._build_lock(tmp_path):
+        assert not (tmp_path / cpu.TORCH_BATON).exists()
