@@ -93,18 +93,20 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> int:
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int, up_itemsize: int | None = None) -> int:
     """Bytes of weights one decode step at `batch` touches: every dense weight, the experts hit, lm_head.
 
     A batch of B tokens hits on average E * (1 - (1 - k/E)^B) experts per MoE layer. Latent attention
-    (DeepSeek-V3): its q (LoRA or not), kv_a, kv_b and o projections; shared experts: every step.
+    (DeepSeek-V3): its q (LoRA or not), kv_a, kv_b and o projections, kv_b (W_uk, W_uv) at `up_itemsize`
+    bytes a value where the decode reads it in another dtype; shared experts: every step.
     """
+    up = 0
     h = cfg.hidden_size
     if cfg.mla:
         heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         q = (h + heads * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * heads * qk
         kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.num_layers
         attn = q + kv + heads * cfg.v_head_dim * h
     else:
         attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
@@ -117,7 +119,7 @@ def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> int:
             total += e * h + (hit + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size
         else:
             total += 3 * h * cfg.intermediate_size
-    return int(total * itemsize)
+    return int(total * itemsize + up * (up_itemsize or itemsize))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:

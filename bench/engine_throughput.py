@@ -123,7 +123,9 @@ def main() -> None:
     # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16), and
     # the KV (MLA: latent) cache of the step's mean context
     cfg = engine.model.cfg
-    step_bytes = weight_bytes_per_step(cfg, 1, engine.model.lm_head.element_size())
+    # (MLA: the absorbed W_uk / W_uv in the dtype the decode reads them, float32 beside bf16 weights)
+    up = engine.model.layers[0].attn.absorbed()[0].element_size() if cfg.mla else None
+    step_bytes = weight_bytes_per_step(cfg, 1, engine.model.lm_head.element_size(), up)
     context = STEP_PROMPT + STEP_STEPS // 2 + 1
     cache_bytes = context * kv_bytes_per_token(cfg, engine.runner.kv_cache.element_size())
     roofline_ms = (step_bytes + cache_bytes) / (bandwidth * 1e9) * 1e3

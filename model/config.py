@@ -351,6 +351,16 @@ def _deepseek(raw: dict) -> dict:
         raise ModelConfigError(f"n_group={groups} does not divide n_routed_experts={experts}")
     if not 1 <= (raw.get("topk_group") or 1) <= groups:
         raise ModelConfigError(f"topk_group={raw.get('topk_group')} must be in [1, n_group={groups}]")
+    per_group = experts // groups
+    if experts and per_group < 2:
+        raise ModelConfigError(
+            f"n_routed_experts={experts} / n_group={groups}: a group needs 2 experts (it scores by its top 2)"
+        )
+    top_k, kept = raw.get("num_experts_per_tok", 8), (raw.get("topk_group") or 1) * per_group
+    if experts and not 1 <= top_k <= kept:
+        raise ModelConfigError(
+            f"num_experts_per_tok={top_k} must be in [1, topk_group x n_routed_experts / n_group = {kept}]"
+        )
     return {
         "kv_lora_rank": raw["kv_lora_rank"],
         "q_lora_rank": raw.get("q_lora_rank") or 0,

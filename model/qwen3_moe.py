@@ -219,6 +219,9 @@ class Qwen3MoeModel(nn.Module):
         if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
             hidden = self._decode_step(input_ids, positions, kv_cache[:layers], meta)
             embeds = F.embedding(input_ids, self.embed) if mtp is not None else None
+            if self.after_layer is not None:  # one call ran every layer: each one's KV is final now
+                for i in range(layers):  # (a prompt's last chunk of one token among decodes streams too)
+                    self.after_layer(i)
         else:
             x, residual = self._embed(input_ids), None
             embeds = x.clone() if mtp is not None else None  # (the first layer adds to x in place)

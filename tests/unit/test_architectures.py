@@ -69,6 +69,8 @@ def test_what_kvferry_cannot_honour_is_refused_by_name(change, words):
         ({"kv_lora_rank": 47}, "must be even"),
         ({"n_group": 3}, "n_group=3 does not divide n_routed_experts=8"),
         ({"topk_group": 5}, "topk_group=5 must be in \\[1, n_group=4\\]"),
+        ({"n_group": 8, "topk_group": 4}, "n_group=8: a group needs 2 experts"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 must be in \\[1, .* = 4\\]"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config \\(fp8\\) is not supported"),

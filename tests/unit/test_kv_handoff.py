@@ -122,3 +122,26 @@ def test_keys_hashed_elsewhere_are_adopted_only_for_their_own_prompt(engine):
     assert kv.prompt_keys(other) == block_keys(other.prompt_token_ids, kv.block_size, engine.fingerprint)
     too_many = engine.make_request(None, GREEDY, ids[:20], "short")
     assert not kv.adopt_keys(too_many, keys)  # more keys than the prompt has full blocks
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_model_dir", "tiny_deepseek_dir"])
+def test_the_layer_hook_hears_every_layer_when_a_prompt_ends_on_a_one_token_chunk(
+    request, make_engine, checkpoint
+):
+    """The streaming hook (`kv.on_layers`) hears every layer of each step, the MTP layer's last where
+    there is one, also when every row of the step is one token and the step runs as one decode call:
+    here a 16-token prompt's last chunk, one token that completes its first block."""
+    engine = make_engine(request.getfixturevalue(checkpoint), detokenize=False, max_num_batched_tokens=15)
+    every = list(range(engine.kv.cache.shape[0]))
+    heard: list[tuple[list, list[int]]] = []  # per step: (its rows: (size, a prompt's?)), the layers heard)
+
+    def hook(batch):
+        rows = [(n, req.num_computed_tokens < req.num_prompt_tokens) for req, n in batch.work]
+        heard.append((rows, []))
+        return heard[-1][1].append
+
+    engine.kv.on_layers(hook)
+    engine.add_request(params=GREEDY, prompt_token_ids=list(range(20, 36)))
+    drain(engine)
+    assert heard[:3] == [([(15, True)], every), ([(1, True)], every), ([(1, False)], every)]
+    assert all(layers == every for _, layers in heard)

@@ -25,71 +25,142 @@ def checkpoint_tensors(model_dir, prefix: str) -> dict[str, torch.Tensor]:
         }
 
 
-def reference_first_draft_logits(model_dir, prompt: list[int], next_token: int) -> torch.Tensor:
-    """vLLM's DeepSeek MTP from scratch, on transformers' modules: entry i takes token i + 1 (its embedding
-    zeroed at position 0) and the target's final hidden state at i, at RoPE position i; the last entry's
-    logits propose the token after `next_token`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+class MtpReference:
+    """vLLM's DeepSeek MTP from scratch, on transformers' modules. An entry i takes a token (its embedding
+    zeroed at entry 0) and a hidden state, at RoPE position i; its logits propose the token two after the
+    one whose hidden state it took. Entry i of a sequence S: token S[i + 1] and the target's final hidden
+    state at i; a second pass chains, its last entry taking the first pass's draft and output."""
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg, n = hf.config, len(prompt)
-    weights = checkpoint_tensors(model_dir, f"model.layers.{cfg.num_hidden_layers}.")
-    block = DeepseekV3DecoderLayer(cfg, cfg.num_hidden_layers).eval()
-    experts = range(cfg.n_routed_experts)
-    weights["mlp.experts.gate_up_proj"] = torch.stack(
-        [
-            torch.cat([weights.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")])
-            for e in experts
-        ]
-    )
-    weights["mlp.experts.down_proj"] = torch.stack(
-        [weights.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts]
-    )
-    own = set(block.state_dict())
-    block.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
-    norms = {}
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        norms[name].weight.data.copy_(weights[f"{name}.weight"])
-    with torch.inference_mode():
-        hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0]  # [n, H], after the final norm
-        tokens = torch.tensor([*prompt[1:], next_token])
-        embeds = hf.model.embed_tokens(tokens)
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer,
+            DeepseekV3RMSNorm,
+        )
+
+        self.hf = hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cfg = hf.config
+        weights = checkpoint_tensors(model_dir, f"model.layers.{cfg.num_hidden_layers}.")
+        self.block = DeepseekV3DecoderLayer(cfg, cfg.num_hidden_layers).eval()
+        experts = range(cfg.n_routed_experts)
+        weights["mlp.experts.gate_up_proj"] = torch.stack(
+            [
+                torch.cat([weights.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")])
+                for e in experts
+            ]
+        )
+        weights["mlp.experts.down_proj"] = torch.stack(
+            [weights.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts]
+        )
+        own = set(self.block.state_dict())
+        self.block.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
+        self.norms = {}
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            self.norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norms[name].weight.data.copy_(weights[f"{name}.weight"])
+        self.eh_proj = weights["eh_proj.weight"]
+
+    @torch.inference_mode()
+    def hidden(self, seq: list[int]) -> torch.Tensor:
+        """The target's final hidden states (after its norm) at every position of `seq`: [N, H]."""
+        return self.hf.model(torch.tensor([seq])).last_hidden_state[0]
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], prevs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries 0..m-1 of (tokens [m], hidden states [m, H]): (the last entry's logits [V], its output
+        before the head's norm [H], what a next pass takes)."""
+        n = len(tokens)
+        embeds = self.hf.model.embed_tokens(torch.tensor(tokens))
         embeds[0] = 0.0
-        x = torch.cat((norms["enorm"](embeds), norms["hnorm"](hidden)), -1) @ weights["eh_proj.weight"].t()
+        x = torch.cat((self.norms["enorm"](embeds), self.norms["hnorm"](prevs)), -1) @ self.eh_proj.t()
         positions = torch.arange(n)[None]
-        rope = hf.model.rotary_emb(x[None], positions)
+        rope = self.hf.model.rotary_emb(x[None], positions)
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = block(x[None], attention_mask=mask, position_ids=positions, position_embeddings=rope)
-        return hf.lm_head(norms["shared_head.norm"](out[0, -1]))
+        out = self.block(x[None], attention_mask=mask, position_ids=positions, position_embeddings=rope)[
+            0, -1
+        ]
+        return self.hf.lm_head(self.norms["shared_head.norm"](out)), out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_deepseek_dir) -> MtpReference:
+    return MtpReference(tiny_deepseek_dir)
+
+
+def recording(engine: LLMEngine) -> list[tuple]:
+    """Every MTP pass the engine runs from now on: (tokens, hidden states in, entry positions, logits,
+    hidden states out), one row per request drafting."""
+    model, seen = engine.runner.model, []
+    draft = model.draft
+
+    def record(tokens, prev, kv_cache, meta):
+        logits, out = draft(tokens, prev, kv_cache, meta)
+        seen.append((tokens.clone(), prev.clone(), meta.context_lens - 2, logits.clone(), out.clone()))
+        return logits, out
+
+    model.draft = record
+    return seen
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_first_draft_equals_the_layer_from_scratch(tiny_deepseek_dir, kernels):
+def test_first_draft_equals_the_layer_from_scratch(tiny_deepseek_dir, reference, kernels):
     """The first proposal after a prefill: kvferry's MTP pass over its paged cache rows (written by the
     prefill) gives the logits the MTP layer computed from scratch gives."""
     engine = LLMEngine(
         EngineConfig(model=str(tiny_deepseek_dir), dtype="float32", kernels=kernels, speculative_config=MTP),
         detokenize=False,
     )
-    model, seen = engine.runner.model, []
-    draft = model.draft
-
-    def record(*args):
-        logits, out = draft(*args)
-        seen.append(logits.clone())
-        return logits, out
-
-    model.draft = record
+    seen = recording(engine)
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(3, 8000, (37,), generator=gen).tolist()
     (done,) = engine.generate(
         [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     )
     assert seen  # (the first proposal: one pass, the request had room for one draft more)
-    want = reference_first_draft_logits(tiny_deepseek_dir, prompt, done.output_token_ids[0])
-    torch.testing.assert_close(seen[0][0], want, rtol=1e-4, atol=1e-4)
+    seq = [*prompt, done.output_token_ids[0]]
+    want, _ = reference.run(seq[1:], reference.hidden(seq)[:-1])
+    torch.testing.assert_close(seen[0][3][0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["one-chunk", "chunked", "prefix-hit", "torch-ops"])
+def test_every_draft_of_every_pass_equals_the_layer_from_scratch(tiny_deepseek_dir, reference, mode):
+    """Every MTP pass of a whole generation (2 drafts a step), one request at a time, against the layer
+    from scratch: a first pass takes the last accepted token and the target's hidden state before it
+    (kept from the verification, or from the step before a chunk, or recomputed after a prefix hit)
+    and attends over MTP rows the target's forward wrote (in one chunk, in chunks of 16, after a cached
+    prefix); a second pass chains on the first's draft and output."""
+    settings = {"chunked": {"max_num_batched_tokens": 16}, "torch-ops": {"kernels": "torch"}}.get(mode, {})
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_deepseek_dir), dtype="float32", speculative_config=MTP, **settings),
+        detokenize=False,
+    )
+    gen = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 8000, (37,), generator=gen).tolist()
+    prompts = [first] if mode != "prefix-hit" else [first, first[:32] + list(range(40, 50))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    chained, cached = 0, []
+    for prompt in prompts:
+        seen = recording(engine)
+        (done,) = engine.generate([{"prompt_token_ids": prompt}], params)
+        cached.append(done.num_cached_tokens)
+        seq = prompt + done.output_token_ids
+        hidden = reference.hidden(seq)
+        assert len(seen) >= 4
+        before = None
+        for tokens, prev, entry, logits, out in seen:
+            (e,), (t,) = entry.tolist(), tokens.tolist()
+            if before is not None and torch.equal(prev, before):  # a second pass: the first's output
+                chained += 1
+                want = reference.run([*seq[1 : e + 1], t], torch.cat((hidden[:e], prev)))
+            else:
+                assert t == seq[e + 1]
+                torch.testing.assert_close(prev[0], hidden[e], rtol=1e-4, atol=1e-4)
+                want = reference.run(seq[1 : e + 2], hidden[: e + 1])
+            torch.testing.assert_close(logits[0], want[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out[0], want[1], rtol=1e-4, atol=1e-4)
+            before = out
+    assert cached[-1] == (32 if mode == "prefix-hit" else 0)
+    assert chained >= 2
 
 
 def test_mtp_rows_are_the_caches_last_layer(tiny_deepseek_dir):
@@ -142,9 +213,9 @@ def bigram_mtp_checkpoint(model_dir, out_dir, pairs: dict[int, int]):
 
 
 def test_drafts_the_target_agrees_with_are_accepted(tiny_deepseek_dir, tmp_path):
-    """With an MTP layer that knows the target's next-token pairs, most drafts are accepted: the accepted
-    drafts' KV and MTP rows, the hidden state kept at the last accepted position and the blocks taken for
-    the drafts all line up, and the output is still exactly the non-speculative one."""
+    """With an MTP layer that knows the target's next-token pairs, most drafts are accepted (their
+    numbers, pass by pass: the from-scratch test above), the blocks taken for them line up with the
+    accepted tokens', and the output is still exactly the non-speculative one."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [
         torch.randint(3, 8000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30)

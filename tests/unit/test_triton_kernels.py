@@ -54,23 +54,27 @@ def caches(g, hkv, num_blocks, bs, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("bs", "half", "rank", "heads"), [(16, 40, 64, 16), (8, 32, 48, 4), (4, 9, 17, 20)])
-def test_latent_decode_attention(dtype, bs, half, rank, heads):
+@pytest.mark.parametrize(
+    ("bs", "half", "rank", "heads", "skip"),
+    [(16, 40, 64, 16, 0), (8, 32, 48, 4, 0), (4, 9, 17, 20, 0), (8, 32, 48, 4, 1), (4, 9, 17, 20, 1)],
+)
+def test_latent_decode_attention(dtype, bs, half, rank, heads, skip):
     """MLA's absorbed decode against `mla.latent_decode_attention_reference`: V in both planes (rank >
-    half) or the first only, an unpadded half (9), more heads than a program's 16; lengths 1, a block,
-    block boundaries +- 1 over shuffled tables."""
+    half) or the first only, an unpadded half (9), more heads than a program's 16; lengths 1 (2 with a
+    skip), a block, block boundaries +- 1 over shuffled tables; position 0 attended or skipped (the MTP
+    layer's draft, whose slot 0 holds nothing)."""
     from kvferry.model.mla import latent_decode_attention_reference
 
     g = gen(11)
-    num_blocks, lens = 32, [1, bs, bs + 1, 3 * bs - 1, 5 * bs]
+    num_blocks, lens = 32, [1 + skip, bs, bs + 1, 3 * bs - 1, 5 * bs]
     first, second = (randn(g, 1, num_blocks, bs, half, dtype=dtype) for _ in range(2))
     width = max(-(-n // bs) for n in lens)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(DEVICE)
     q = randn(g, len(lens), heads, 2 * half, dtype=dtype)
     context = tensor(lens)
-    out = ta.latent_decode_attention(q, first, second, tables, context, 0.2, rank)
+    out = ta.latent_decode_attention(q, first, second, tables, context, 0.2, rank, skip)
     want = latent_decode_attention_reference(
-        q.float(), first.float(), second.float(), tables, context, 0.2, rank
+        q.float(), first.float(), second.float(), tables, context, 0.2, rank, skip
     )
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
