@@ -61,3 +61,67 @@ def test_chunked_prompt_streams_its_blocks(
             wait_for(lambda: len(meta.lookup_prefix(keys)) == 6, 10, "the streamed blocks to be published")
         finally:
             members.close()
+
+
+def test_latent_int8_blocks_stream_spill_to_disk_and_come_back(redis_server, tiny_deepseek_dir, tmp_path):
+    """DeepSeek-V3's latent blocks, in int8 with their scales and the MTP layer's rows among them, take
+    the paths any block takes: streamed layer by layer from a chunked prefill, evicted from a small pool
+    node to its disk tier, restored from there for a later prompt sharing the first one's prefix (the
+    workers' own caches too small to still hold it). The tokens are the offline int8 engine's."""
+    from kvferry.engine.engine import EngineConfig, LLMEngine
+    from kvferry.engine.request import SamplingParams
+
+    small = {"max_model_len": 128, "num_kv_blocks": 16, "max_num_batched_tokens": 32}
+    cfg = make_cluster_config(
+        tiny_deepseek_dir,
+        redis_server.url,
+        "test-stream-latent",
+        # the smallest node (16 slots): three 100-token prompts push the first one's blocks to disk
+        pool=PoolConfig(
+            nodes=1, memory_gib=1e-6, stream_layers="on", disk_dir=str(tmp_path / "disk"), disk_max_gib=0.01
+        ),
+        prefill=WorkerGroupSettings(replicas=1, engine=small),
+        decode=WorkerGroupSettings(replicas=1, engine=small),
+    ).with_overrides(kv_cache_dtype="int8")
+    offline = LLMEngine(
+        EngineConfig(model=str(tiny_deepseek_dir), dtype="float32", max_model_len=128, kv_cache_dtype="int8"),
+        detokenize=False,
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 8000, (100,), generator=gen).tolist() for _ in range(3)]
+    again = [*prompts[0][:96], 5, 6, 7, 8]
+    with (
+        LocalCluster(cfg, log_dir=tmp_path / "logs", quiet=True) as cluster,
+        Client(cluster.router_addr) as api,
+    ):
+        members = Members(cluster)
+        try:
+
+            def ask(prompt):
+                request = build_request(
+                    prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True
+                )
+                got = api.generate(request, timeout=60)
+                (want,) = offline.generate([{"prompt_token_ids": prompt}], params)
+                assert got.token_ids == want.output_token_ids
+                return got
+
+            for prompt in prompts:
+                ask(prompt)
+
+            def spilled():
+                (node,) = members.stats("pool").values()
+                return node.evictions >= 6 and node.disk_spills + node.disk_spill_drops == node.evictions
+
+            wait_for(spilled, 20, "the first prompt's blocks evicted to disk")
+            (node,) = members.stats("pool").values()
+            assert node.disk_spill_drops == 0
+            got = ask(again)
+            assert got.finished.pool_cached_tokens > 0  # its prefix came back from the pool, not recomputed
+            (node,) = members.stats("pool").values()
+            assert node.disk_hits > 0 and node.disk_corrupt == 0 and node.dtype == "int8"
+            (prefill,) = members.stats("prefill").values()
+            assert prefill.blocks_streamed >= 3 * 6
+        finally:
+            members.close()
