@@ -404,6 +404,15 @@ inline float exp_scaled(float* s, int64_t n, float scale, float peak) {
   return sum;
 }
 
+// each of `rows` score rows s[r * n, (r + 1) * n) becomes softmax(scale * row), in place
+inline void softmax_rows(float* s, int64_t rows, int64_t n, float scale) {
+  for (int64_t r = 0; r < rows; ++r, s += n) {
+    const float peak = *std::max_element(s, s + n) * scale;
+    const float inv = 1.f / exp_scaled(s, n, scale, peak);
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
 // g [2I] = [gate | up] -> silu(gate) * up, written into the gate half
 inline void silu_mul(float* g, int64_t I) {
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
@@ -964,12 +973,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float peak = *std::max_element(s, s + len) * fscale;
-        const float inv = 1.f / exp_scaled(s, len, fscale, peak);
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, len, fscale);
       for (int64_t t = 0; t < len; ++t) {
         const float* v = vc + ((h * num_blocks + bt[b * W + t / bs]) * bs + t % bs) * D;
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, acc.data() + g * D, D);
@@ -1062,12 +1066,7 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
         for (int64_t h = 0; h < hn; ++h)
           scores[h * len + i] = dot_wide(qb + h * Wl, p0 + off, half) + dot_wide(qb + h * Wl + half, p1 + off, half);
       }
-      for (int64_t h = 0; h < hn; ++h) {
-        float* s = scores.data() + h * len;
-        const float peak = *std::max_element(s, s + len) * fscale;
-        const float inv = 1.f / exp_scaled(s, len, fscale, peak);
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), hn, len, fscale);
       for (int64_t i = 0; i < len; ++i) {
         const int64_t t = skip + i;
         const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
