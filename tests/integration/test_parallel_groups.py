@@ -7,6 +7,7 @@ EP=2 cluster of the parity test is then drained by the next test (conftest's clu
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,20 +140,17 @@ def test_greedy_parity(cluster_for, prompts, reference, controls_reference, tp, 
         members.close()
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_a_dense_model_through_tp_prefill_and_the_pool(
-    request, redis_server, checkpoint, tmp_path_factory, prompts, hf_greedy
-):
-    """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling) and a dense Qwen3: a TP=2 prefill group
-    hands its KV to two data-parallel decode workers through the pool, exact against transformers; the
-    shared-prefix prompt hits. (An expert-parallel decode group of a dense model is refused at launch:
-    it has no experts to split.)"""
+@contextlib.contextmanager
+def exact_tp_prefill_cluster(request, checkpoint, decode, redis_server, tmp_path_factory, prompts, hf_greedy):
+    """A cluster of `checkpoint` (a fixture's name) with one TP=2 prefill group and the `decode` group:
+    yields (cluster, members) once every prompt's tokens equal transformers' and the prefill group has
+    hit the shared prefix."""
     model_dir = request.getfixturevalue(checkpoint)
     reference = hf_greedy(model_dir, prompts, NEW_TOKENS)
-    prefill, decode = group(tensor_parallel_size=2), group(replicas=2)
     name = checkpoint.removesuffix("_dir")
-    cluster = start(redis_server, model_dir, tmp_path_factory, name, prefill, decode)
-    with cluster:
+    with start(
+        redis_server, model_dir, tmp_path_factory, name, group(tensor_parallel_size=2), decode
+    ) as cluster:
         got = run_all(cluster.router_addr, prompts)
         for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
             assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on {checkpoint}"
@@ -161,9 +159,23 @@ def test_a_dense_model_through_tp_prefill_and_the_pool(
             prefill = members.stats("prefill")
             assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(2, 0)]
             assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
-            assert len(members.stats("decode")) == 2
+            yield cluster, members
         finally:
             members.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_a_dense_model_through_tp_prefill_and_the_pool(
+    request, redis_server, checkpoint, tmp_path_factory, prompts, hf_greedy
+):
+    """A dense Llama 3 (no q/k norms, Llama 3.1's RoPE scaling) and a dense Qwen3: a TP=2 prefill group
+    hands its KV to two data-parallel decode workers through the pool, exact against transformers; the
+    shared-prefix prompt hits. (An expert-parallel decode group of a dense model is refused at launch:
+    it has no experts to split.)"""
+    with exact_tp_prefill_cluster(
+        request, checkpoint, group(replicas=2), redis_server, tmp_path_factory, prompts, hf_greedy
+    ) as (_, members):
+        assert len(members.stats("decode")) == 2
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_deepseek_dir", "tiny_deepseek_nolora_dir"])
@@ -175,33 +187,21 @@ def test_deepseek_v3_through_tp_prefill_the_pool_and_ep_decode(
     latent replicated: rank 0 writes it) hands latent blocks, the MTP layer's rows among them, through
     the pool to an EP=2 decode group (routed experts split, shared experts on both ranks) drafting with
     the MTP layer where there is one, exact against transformers; the shared-prefix prompt hits."""
-    model_dir = request.getfixturevalue(checkpoint)
-    reference = hf_greedy(model_dir, prompts, NEW_TOKENS)
     has_mtp = checkpoint == "tiny_deepseek_dir"
     spec = {"speculative_config": '{"method": "mtp", "num_speculative_tokens": 2}'} if has_mtp else {}
-    prefill, decode = group(tensor_parallel_size=2), group(expert_parallel_size=2, **spec)
-    name = checkpoint.removesuffix("_dir")
-    cluster = start(redis_server, model_dir, tmp_path_factory, name, prefill, decode)
-    with cluster:
-        got = run_all(cluster.router_addr, prompts)
-        for i, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
-            assert tokens == ref, f"prompt {i} (len {len(prompts[i])}) differs on {checkpoint}"
-        members = Members(cluster)
-        try:
-            prefill = members.stats("prefill")
-            assert [(s.tensor_parallel_size, s.rank) for s in prefill.values()] == [(2, 0)]
-            assert sum(s.local_hit_tokens + s.pool_hit_tokens for s in prefill.values()) >= 48
-            decode = members.stats("decode")
-            assert len(decode) == 2
-            experts = [8, 8] if has_mtp else [6, 6]  # the group's load: its MoE layers' experts
-            for s in decode.values():
-                assert [len(layer.tokens) for layer in s.expert_load.layers] == experts
-                assert all(t > 0 for t in s.expert_load.rank_tokens)
-            if has_mtp:
-                drafts = "kvferry:spec_decode_num_draft_tokens_total"
-                wait_for(lambda: metric(cluster, drafts) >= len(prompts), 10, "the decode ranks' MTP drafts")
-        finally:
-            members.close()
+    decode = group(expert_parallel_size=2, **spec)
+    with exact_tp_prefill_cluster(
+        request, checkpoint, decode, redis_server, tmp_path_factory, prompts, hf_greedy
+    ) as (cluster, members):
+        decode = members.stats("decode")
+        assert len(decode) == 2
+        experts = [8, 8] if has_mtp else [6, 6]  # the group's load: its MoE layers' experts
+        for s in decode.values():
+            assert [len(layer.tokens) for layer in s.expert_load.layers] == experts
+            assert all(t > 0 for t in s.expert_load.rank_tokens)
+        if has_mtp:
+            drafts = "kvferry:spec_decode_num_draft_tokens_total"
+            wait_for(lambda: metric(cluster, drafts) >= len(prompts), 10, "the decode ranks' MTP drafts")
 
 
 @pytest.mark.shared_cluster(**corner(2, 2))
