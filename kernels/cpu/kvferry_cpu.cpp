@@ -28,6 +28,13 @@
 
 namespace {
 
+// t as a contiguous tensor of dtype `type`: t itself where it is one already, checked inline (a decode step
+// passes its small index and rope tensors through many ops, and a dispatched no-op .to() costs about a
+// microsecond each time)
+at::Tensor as_contiguous(const at::Tensor& t, at::ScalarType type) {
+  return t.scalar_type() == type && t.is_contiguous() ? t : t.to(type).contiguous();
+}
+
 using kvferry_cpu::exp8;
 #ifdef KVFERRY_AVX512BF16
 using kvferry_cpu::exp16;
@@ -123,12 +130,59 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K,
   }
 }
 
+// Decode's few rows: out[r, 16c : 16c + 16] = x[r, :] . block c for r < R, c < C (the C blocks [K, 16] follow
+// each other from w; N counts from the tile's first column). 2 R C accumulator chains and C weight streams at
+// once, where one block at a time has two chains and the FMA latency, not the memory, sets the pace. Each
+// output still sums its k in order, so a row's result is the same whatever the tile.
+template <int R, int C, typename T>
+inline void tile_wide(const float* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t ldo, int64_t N) {
+  __m256 lo[R][C], hi[R][C];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xb[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      __m256 w0, w1;
+      load16(w + (c * K + k) * NB, w0, w1);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        lo[r][c] = _mm256_fmadd_ps(xb[r], w0, lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(xb[r], w1, hi[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t ncols = std::min<int64_t>(NB, N - c * NB);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) store_row(out + r * ldo + c * NB, lo[r][c], hi[r][c], ncols);
+  }
+}
+
+// column blocks [b0, b1) for R <= 2 rows, C blocks per tile (R = 1: 4, R = 2: 2; 8 accumulators either way)
+template <int R, typename T>
+void few_rows(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N, float* out, int64_t ldo, int64_t b0,
+              int64_t b1) {
+  constexpr int C = R == 1 ? 4 : 2;
+  const int64_t block = K * NB;
+  int64_t j = b0;
+  for (; j + C <= b1; j += C) tile_wide<R, C>(x, ldx, w + j * block, K, out + j * NB, ldo, N - j * NB);
+  for (; j < b1; ++j) tile_wide<R, 1>(x, ldx, w + j * block, K, out + j * NB, ldo, N - j * NB);
+}
+
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ packed w [nblocks, K, 16]; serial
 template <typename T>
 void gemm_serial(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N, float* out,
                  int64_t ldo, int64_t b0, int64_t b1) {
   // bf16 blocks feeding more than one row tile are widened once into a float32 copy (K x 16, cache
   // resident) instead of once per tile: decode (few rows) reads half the bytes, prefill pays no widening
+  if (M == 1) return few_rows<1>(x, ldx, K, w, N, out, ldo, b0, b1);
+  if (M == 2) return few_rows<2>(x, ldx, K, w, N, out, ldo, b0, b1);
   const bool widen_once = !std::is_same_v<T, float> && M > MB;
   thread_local std::vector<float> wide;
   if (widen_once) wide.resize(K * NB);
@@ -621,7 +675,7 @@ at::Tensor pack_weight_int8(const at::Tensor& q_, const at::Tensor& scale_) {
   TORCH_CHECK(K % 4 == 0, "int8 packing needs K a multiple of 4, got ", K);
   TORCH_CHECK(scale_.numel() == N, "scale must have N = ", N, " entries");
   auto q = q_.contiguous();
-  auto scale = scale_.to(at::kFloat).contiguous();
+  auto scale = as_contiguous(scale_, at::kFloat);
   auto padded = at::zeros({K, nblocks * NB}, q.options());
   padded.narrow(1, 0, N).copy_(q);
   // [K/4, 4, nblocks, 16] -> [nblocks, K/4, 16, 4]
@@ -806,7 +860,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_, const at::Tensor& q_weight
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   auto qkv = qkv_.contiguous();
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
-  auto slot_blocks = slot_blocks_.to(at::kLong).contiguous(), slot_offsets = slot_offsets_.to(at::kLong).contiguous();
+  auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);
   const int64_t T = qkv.size(0), hkv = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2),
                 RW = k_cache.size(3), D = i8 ? RW - kvferry_cpu::KV_SCALE_BYTES : RW, half = D / 2,
                 width = qkv.size(1), heads = num_heads + hkv;
@@ -906,8 +960,8 @@ std::tuple<std::vector<int64_t>, at::Tensor> used_blocks(const at::Tensor& block
 at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
   if (k_cache.scalar_type() == at::kChar) {  // int8 cache: the blocks the tables use, dequantized once
-    auto lens = context_lens_.to(at::kLong).contiguous();
-    auto [used, tables] = used_blocks(block_tables_.to(at::kLong).contiguous(), lens, k_cache.size(2));
+    auto lens = as_contiguous(context_lens_, at::kLong);
+    auto [used, tables] = used_blocks(as_contiguous(block_tables_, at::kLong), lens, k_cache.size(2));
     return paged_decode_attention(q_, dequantize_blocks(k_cache, used), dequantize_blocks(v_cache, used), tables,
                                   lens, scale);
   }
@@ -915,8 +969,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
   check_f32(k_cache, "k_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   auto q = q_.contiguous();
-  auto block_tables = block_tables_.to(at::kLong).contiguous();
-  auto context_lens = context_lens_.to(at::kLong).contiguous();
+  auto block_tables = as_contiguous(block_tables_, at::kLong);
+  auto context_lens = as_contiguous(context_lens_, at::kLong);
   const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), hkv = k_cache.size(0), num_blocks = k_cache.size(1),
                 bs = k_cache.size(2), W = block_tables.size(1), group = hq / hkv;
   auto out = at::empty({B, hq * D}, q.options());
@@ -998,19 +1052,117 @@ inline float dot_wide(const float* a, const float* b, int64_t n) {  // 16 lanes,
   return _mm512_reduce_add_ps(acc);
 }
 
-inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
-  }
-}
 #else
 inline float dot_wide(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
-inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) { axpy(alpha, x, y, n); }
 #endif
+
+// y[j : j + 8V] (n: where y ends; the last vector masked) = the sum over i < m of a[i] * row(i)[same], each value
+// summed from 0 in i order, a fused multiply-add a step, with V running sums in registers
+template <int V, typename Row>
+inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, int64_t j, int64_t n) {
+  const int64_t rem = n - j - 8 * (V - 1);  // values in the last vector, 1..8
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 c[V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) c[v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < m; ++i) {
+    const __m256 ai = _mm256_set1_ps(a[i]);
+    const float* x = row(i) + j;
+#pragma GCC unroll 8
+    for (int v = 0; v < V - 1; ++v) c[v] = _mm256_fmadd_ps(ai, _mm256_loadu_ps(x + 8 * v), c[v]);
+    c[V - 1] = _mm256_fmadd_ps(ai, _mm256_maskload_ps(x + 8 * (V - 1), tail), c[V - 1]);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(y + j + 8 * v, c[v]);
+  _mm256_maskstore_ps(y + j + 8 * (V - 1), tail, c[V - 1]);
+}
+
+// y[0:n] = the sum over i < m of a[i] * row(i)[0:n], each value summed from 0 in i order by fused multiply-adds
+// (axpy calls on a zeroed y, without their store and reload of y per row)
+template <typename Row>
+void combine(const float* a, int64_t m, const Row& row, float* y, int64_t n) {
+  for (int64_t j = 0; j < n; j += 64) {
+    switch ((std::min<int64_t>(64, n - j) + 7) / 8) {
+      case 1: combine_chunk<1>(a, m, row, y, j, n); break;
+      case 2: combine_chunk<2>(a, m, row, y, j, n); break;
+      case 3: combine_chunk<3>(a, m, row, y, j, n); break;
+      case 4: combine_chunk<4>(a, m, row, y, j, n); break;
+      case 5: combine_chunk<5>(a, m, row, y, j, n); break;
+      case 6: combine_chunk<6>(a, m, row, y, j, n); break;
+      case 7: combine_chunk<7>(a, m, row, y, j, n); break;
+      default: combine_chunk<8>(a, m, row, y, j, n); break;
+    }
+  }
+}
+
+// combine over the rows of a matrix x (row stride ldx)
+inline void combine_rows(const float* a, int64_t m, const float* x, int64_t ldx, float* y, int64_t n) {
+  combine(a, m, [=](int64_t i) { return x + i * ldx; }, y, n);
+}
+
+// s[0..7] = the scores of 8 heads (queries q, row stride ld: [first half | second half]) against one latent row,
+// its halves r0 and r1; 8 accumulator chains at once, one horizontal-sum tree for all 8
+inline void latent_scores8(const float* q, int64_t ld, const float* r0, const float* r1, int64_t half, float* s) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= half; d += 8) {
+    const __m256 a = _mm256_loadu_ps(r0 + d), b = _mm256_loadu_ps(r1 + d);
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; ++h) {
+      acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * ld + d), a, acc[h]);
+      acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * ld + half + d), b, acc[h]);
+    }
+  }
+  _mm256_storeu_ps(s, hsum8(acc));
+  for (; d < half; ++d)
+    for (int h = 0; h < 8; ++h) s[h] += q[h * ld + d] * r0[d] + q[h * ld + half + d] * r1[d];
+}
+
+// The cached latent rows and their layout, for latent_attend_heads
+struct LatentRows {
+  const float *p0, *p1;     // the two half planes [1, num_blocks, bs, half] (float32)
+  const int64_t *bt, *lens;  // block tables [B, W], context lengths [B]
+  int64_t W, bs, half, rank, skip;
+  float scale;
+};
+
+// One work item of the absorbed decode: sequence b's hn heads, queries qb [hn, 2 half] -> ob [hn, rank].
+// Each row is read from memory once and used by every head of the item while it is in cache.
+void latent_attend_heads(const LatentRows& c, int64_t b, const float* qb, int64_t hn, float* ob,
+                         std::vector<float>& scores) {
+  const int64_t Wl = 2 * c.half, lo = std::min(c.half, c.rank), hi = c.rank - lo;  // V's values in each plane
+  const int64_t end = std::min(c.lens[b], c.W * c.bs), len = std::max<int64_t>(end - c.skip, 0);
+  if (hn <= 0) return;
+  if (len == 0) return std::fill(ob, ob + hn * c.rank, 0.f);
+  scores.resize(hn * len + 8);
+  std::vector<int64_t> at(len);  // each row's offset in the planes
+  for (int64_t i = 0; i < len; ++i) {  // row i: position skip + i
+    const int64_t t = c.skip + i;
+    at[i] = (c.bt[b * c.W + t / c.bs] * c.bs + t % c.bs) * c.half;
+  }
+  float* s8 = scores.data() + hn * len;
+  for (int64_t i = 0; i < len; ++i) {
+    const float *r0 = c.p0 + at[i], *r1 = c.p1 + at[i];
+    int64_t h = 0;
+    for (; h + 8 <= hn; h += 8) {
+      latent_scores8(qb + h * Wl, Wl, r0, r1, c.half, s8);
+      for (int64_t g = 0; g < 8; ++g) scores[(h + g) * len + i] = s8[g];
+    }
+    for (; h < hn; ++h) scores[h * len + i] = dot_wide(qb + h * Wl, r0, c.half) + dot_wide(qb + h * Wl + c.half, r1, c.half);
+  }
+  softmax_rows(scores.data(), hn, len, c.scale);
+  for (int64_t h = 0; h < hn; ++h) {
+    combine(scores.data() + h * len, len, [&](int64_t i) { return c.p0 + at[i]; }, ob + h * c.rank, lo);
+    if (hi > 0) combine(scores.data() + h * len, len, [&](int64_t i) { return c.p1 + at[i]; }, ob + h * c.rank + lo, hi);
+  }
+}
+
+// heads per work item: enough items for every thread at batch 1, few enough that a row is reused many times
+int64_t latent_head_groups(int64_t B, int64_t H) {
+  return std::max<int64_t>(1, std::min<int64_t>(H, (at::get_num_threads() + B - 1) / B));
+}
 
 }  // namespace
 
@@ -1024,8 +1176,8 @@ inline void axpy_wide(float alpha, const float* x, float* y, int64_t n) { axpy(a
 at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first, const at::Tensor& second,
                                    const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale,
                                    int64_t rank, int64_t skip) {
-  auto block_tables = block_tables_.to(at::kLong).contiguous();
-  auto lens_t = context_lens_.to(at::kLong).contiguous();
+  auto block_tables = as_contiguous(block_tables_, at::kLong);
+  auto lens_t = as_contiguous(context_lens_, at::kLong);
   if (first.scalar_type() == at::kChar) {
     auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
     return latent_decode_attention(q_, dequantize_blocks(first, used), dequantize_blocks(second, used), tables, lens_t,
@@ -1036,45 +1188,21 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
   check_f32(second, "second");
   TORCH_CHECK(first.is_contiguous() && second.is_contiguous() && first.sizes() == second.sizes(), "latent planes");
   auto q = q_.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2), num_blocks = first.size(1), bs = first.size(2),
-                half = first.size(3), W = block_tables.size(1);
+  const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2), half = first.size(3);
   TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && rank > 0 && rank <= Wl && skip >= 0,
               "q [B, H, 2 * half], rank <= width");
   auto out = at::empty({B, H, rank}, q.options());
-  const float *qp = q.data_ptr<float>(), *p0 = first.data_ptr<float>(), *p1 = second.data_ptr<float>();
-  const int64_t *bt = block_tables.data_ptr<int64_t>(), *lens = lens_t.data_ptr<int64_t>();
+  const LatentRows rows{first.data_ptr<float>(), second.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                        lens_t.data_ptr<int64_t>(), block_tables.size(1), first.size(2), half, rank, skip,
+                        static_cast<float>(scale)};
+  const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const int64_t threads = at::get_num_threads();
-  // head groups: enough work items for every thread at batch 1, few enough that a row is reused many times
-  const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(H, (threads + B - 1) / B));
-  const int64_t per = (H + groups - 1) / groups;
-  const int64_t lo = std::min(half, rank), hi = rank - lo;  // V's values in the first plane, in the second
+  const int64_t groups = latent_head_groups(B, H), per = (H + groups - 1) / groups;
   at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
-      const int64_t end = std::min(lens[b], W * bs), len = std::max<int64_t>(end - skip, 0);
-      float* ob = op + (b * H + h0) * rank;
-      std::fill(ob, ob + std::max<int64_t>(hn, 0) * rank, 0.f);
-      if (hn <= 0 || len == 0) continue;
-      const float* qb = qp + (b * H + h0) * Wl;
-      scores.resize(hn * len);
-      for (int64_t i = 0; i < len; ++i) {  // score i: position skip + i
-        const int64_t t = skip + i;
-        const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
-        for (int64_t h = 0; h < hn; ++h)
-          scores[h * len + i] = dot_wide(qb + h * Wl, p0 + off, half) + dot_wide(qb + h * Wl + half, p1 + off, half);
-      }
-      softmax_rows(scores.data(), hn, len, fscale);
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = skip + i;
-        const int64_t off = (bt[b * W + t / bs] * bs + t % bs) * half;
-        for (int64_t h = 0; h < hn; ++h) {
-          axpy_wide(scores[h * len + i], p0 + off, ob + h * rank, lo);
-          if (hi > 0) axpy_wide(scores[h * len + i], p1 + off, ob + h * rank + lo, hi);
-        }
-      }
+      latent_attend_heads(rows, b, qp + (b * H + h0) * Wl, hn, op + (b * H + h0) * rank, scores);
     }
   });
   return out;
@@ -1091,8 +1219,8 @@ std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const
                                                      const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_) {
   check_f32(q_, "q");
   auto q = q_.contiguous(), latent = latent_.contiguous(), c = c_.contiguous();
-  auto cs = cos_.to(at::kFloat).contiguous(), sn = sin_.to(at::kFloat).contiguous();
-  auto blocks = slot_blocks_.to(at::kLong).contiguous(), offsets = slot_offsets_.to(at::kLong).contiguous();
+  auto cs = as_contiguous(cos_, at::kFloat), sn = as_contiguous(sin_, at::kFloat);
+  auto blocks = as_contiguous(slot_blocks_, at::kLong), offsets = as_contiguous(slot_offsets_, at::kLong);
   const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), rank = c.size(1), rope = cs.size(1),
                 nope = qk - rope, W = rank + rope, half = W / 2;
   const bool i8 = first.scalar_type() == at::kChar;
@@ -1142,8 +1270,8 @@ std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const
 std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const at::Tensor& bias_, int64_t top_k,
                                                 bool renormalize, int64_t n_group, int64_t topk_group,
                                                 double scaling) {
-  auto logits = logits_.to(at::kFloat).contiguous();
-  auto bias = bias_.to(at::kFloat).contiguous();
+  auto logits = as_contiguous(logits_, at::kFloat);
+  auto bias = as_contiguous(bias_, at::kFloat);
   const int64_t T = logits.size(0), E = logits.size(1), per = E / n_group;
   TORCH_CHECK(E % n_group == 0 && per >= (topk_group < n_group ? 2 : 1) && top_k <= E && bias.numel() == E,
               "grouped_topk shapes");
@@ -1201,42 +1329,53 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const
 }
 
 // MLA's absorbed decode, whole: q [T, H, nope + rope] (rope part rotated) -> [T, H, v]. Each head's q_nope is
-// folded through W_uk [H, nope, rank] into the latent space, attends (latent_decode_attention) over the cached
-// rows, and its result goes through W_uv [H, rank, v]. The two small per-head products run here as row sums
-// (no batched GEMM calls for a handful of rows).
-at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first,
-                         const at::Tensor& second, const at::Tensor& block_tables, const at::Tensor& context_lens,
+// folded through W_uk [H, nope, rank] into the latent space, attends over the cached rows (as
+// latent_decode_attention), and its result goes through W_uv [H, rank, v]. One parallel region: a work item
+// (a sequence's group of heads) runs all three for its heads; the small per-head products are row sums with
+// their running sums in registers (no batched GEMM calls for a handful of rows).
+at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first_,
+                         const at::Tensor& second_, const at::Tensor& block_tables_, const at::Tensor& context_lens_,
                          double scale, int64_t skip) {
   check_f32(q_, "q");
   check_f32(w_uk_, "w_uk");
   check_f32(w_uv_, "w_uv");
   auto q = q_.contiguous(), w_uk = w_uk_.contiguous(), w_uv = w_uv_.contiguous();
+  auto block_tables = as_contiguous(block_tables_, at::kLong);
+  auto lens_t = as_contiguous(context_lens_, at::kLong);
+  at::Tensor first = first_, second = second_;
+  if (first.scalar_type() == at::kChar) {  // int8 rows: the blocks used, dequantized once
+    auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
+    first = dequantize_blocks(first_, used);
+    second = dequantize_blocks(second_, used);
+    block_tables = tables;
+  }
+  check_f32(first, "first");
+  check_f32(second, "second");
+  TORCH_CHECK(first.is_contiguous() && second.is_contiguous() && first.sizes() == second.sizes(), "latent planes");
   const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), nope = w_uk.size(1), rank = w_uk.size(2),
-                rope = qk - nope, vd = w_uv.size(2);
+                rope = qk - nope, vd = w_uv.size(2), half = first.size(3), Wl = rank + rope;
   TORCH_CHECK(w_uk.size(0) == H && w_uv.size(0) == H && w_uv.size(1) == rank && rope > 0, "W_uk / W_uv shapes");
-  auto query = at::empty({T, H, rank + rope}, q.options());
-  const float *qp = q.data_ptr<float>(), *uk = w_uk.data_ptr<float>(), *uv = w_uv.data_ptr<float>();
-  float* qq = query.data_ptr<float>();
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i % H;
-      const float* src = qp + i * qk;
-      float* dst = qq + i * (rank + rope);
-      std::fill(dst, dst + rank, 0.f);
-      for (int64_t n = 0; n < nope; ++n) axpy_wide(src[n], uk + (h * nope + n) * rank, dst, rank);
-      std::copy(src + nope, src + qk, dst + rank);
-    }
-  });
-  auto attn = latent_decode_attention(query, first, second, block_tables, context_lens, scale, rank, skip);
+  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && skip >= 0, "latent planes [1, blocks, bs, (rank + rope) / 2]");
+  const LatentRows rows{first.data_ptr<float>(), second.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                        lens_t.data_ptr<int64_t>(), block_tables.size(1), first.size(2), half, rank, skip,
+                        static_cast<float>(scale)};
   auto out = at::empty({T, H, vd}, q.options());
-  const float* ap = attn.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *uk = w_uk.data_ptr<float>(), *uv = w_uv.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i % H;
-      float* dst = op + i * vd;
-      std::fill(dst, dst + vd, 0.f);
-      for (int64_t r = 0; r < rank; ++r) axpy_wide(ap[i * rank + r], uv + (h * rank + r) * vd, dst, vd);
+  const int64_t groups = latent_head_groups(T, H), per = (H + groups - 1) / groups;
+  at::parallel_for(0, T * groups, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, query(per * Wl), attn(per * rank);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
+      for (int64_t h = h0; h < h0 + hn; ++h) {  // the query in the latent space: [q_nope W_uk | q_rope]
+        const float* src = qp + (b * H + h) * qk;
+        float* dst = query.data() + (h - h0) * Wl;
+        combine_rows(src, nope, uk + h * nope * rank, rank, dst, rank);
+        std::copy(src + nope, src + qk, dst + rank);
+      }
+      latent_attend_heads(rows, b, query.data(), hn, attn.data(), scores);
+      for (int64_t h = h0; h < h0 + hn; ++h)
+        combine_rows(attn.data() + (h - h0) * rank, rank, uv + h * rank * vd, vd, op + (b * H + h) * vd, vd);
     }
   });
   return out;
@@ -1400,8 +1539,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   constexpr int64_t CHUNK = 512;  // tokens
   check_f32(x_, "x");
   auto x = x_.contiguous();
-  auto ids = ids_.to(at::kLong).contiguous();
-  auto weights = weights_.to(at::kFloat).contiguous();
+  auto ids = as_contiguous(ids_, at::kLong);
+  auto weights = as_contiguous(weights_, at::kFloat);
   const int64_t T = x.size(0);
   if (T <= CHUNK) return moe_chunk(x, ids, weights, w13, w2, first_expert);
   auto out = at::empty_like(x);
@@ -1473,9 +1612,9 @@ at::Tensor gated_mlp(const at::Tensor& h, const at::Tensor& w13, const at::Tenso
 // correction bias [E], packed w13, packed w2, packed shared w13 (empty: none), packed shared w2. kv_cache
 // [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows); cos / sin [T, rope].
 at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tensor& kv_cache,
-                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_blocks,
-                                const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                                const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims,
+                                const at::Tensor& cos_, const at::Tensor& sin_, const at::Tensor& slot_blocks_,
+                                const at::Tensor& slot_offsets_, const at::Tensor& block_tables_,
+                                const at::Tensor& context_lens_, const at::Tensor& final_norm, at::IntArrayRef dims,
                                 double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
                                 int64_t topk_group, double routed_scaling) {
   constexpr int64_t PER_LAYER = 16;
@@ -1483,10 +1622,16 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
   const int64_t L = kv_cache.size(0), H = x_.size(1), T = x_.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
+  // the step's index and rope tensors in the kernels' dtypes, and every layer's two cache planes, once
+  const auto cos = as_contiguous(cos_, at::kFloat), sin = as_contiguous(sin_, at::kFloat);
+  const auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);
+  const auto block_tables = as_contiguous(block_tables_, at::kLong), context_lens = as_contiguous(context_lens_, at::kLong);
+  std::vector<std::vector<at::Tensor>> planes;  // layer l's two planes (views of kv_cache)
+  for (const auto& layer : kv_cache.unbind(0)) planes.push_back(layer.unbind(0));
   at::Tensor x = x_, residual;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
-    at::Tensor first = kv_cache[l][0], second = kv_cache[l][1];
+    at::Tensor first = planes[l][0], second = planes[l][1];
     at::Tensor h = l == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, residual, w[0], eps);
     if (l == 0) residual = x;
     const int64_t qk = nope + rope;

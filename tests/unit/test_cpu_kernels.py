@@ -34,6 +34,19 @@ def test_packed_linear(m, k, n):
     torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_decode_rows_take_several_blocks_at_once(m, bf16):
+    """Decode's one or two rows run four (two) column blocks a tile: 13 blocks, the last one partial, leave
+    single blocks after the wide tiles in each thread's range; every column is still x @ w."""
+    x, w = randn(m, 96), randn(96, 200)
+    if bf16:
+        w = w.bfloat16().float()
+    packed = pack(w)
+    assert packed.shape[0] == 13 and packed.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    torch.testing.assert_close(linear(x, packed), x @ w, rtol=1e-5, atol=1e-4)
+
+
 def test_bf16_exact_weights_are_stored_as_bf16():
     """A float32 weight holding only bf16 values (a bf16 checkpoint) packs to bf16, with the same products."""
     x, w = randn(3, 64), randn(64, 32).bfloat16().float()
