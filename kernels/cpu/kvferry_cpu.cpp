@@ -633,17 +633,26 @@ float rms_scale(const float* x, int64_t n, double eps) {
 
 }  // namespace
 
-// x [M, K] @ packed [nblocks, K, 16] (float32 or bfloat16) -> [M, n]
-at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
-  check_f32(x_, "x");
+namespace {
+
+// w is a packed weight (any layout) for inputs of K values and n outputs
+void check_packed(const at::Tensor& w, int64_t K, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || is_int8(w),
               "w must be float32, bfloat16 or int8");
-  auto x = x_.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
   const bool pairs = w.dim() == 3 && is_bf16_pairs(w), i8 = is_int8(w);
   const int64_t rows = i8 ? K / 4 + 2 : (pairs ? (K + 1) / 2 : K), width = i8 ? 4 * NB : (pairs ? 2 * NB : NB);
   TORCH_CHECK(w.dim() == 3 && (!i8 || K % 4 == 0) && w.size(1) == rows && w.size(2) == width && w.size(0) * NB >= n,
               "packed weight shape");
+}
+
+}  // namespace
+
+// x [M, K] @ packed [nblocks, K, 16] (float32 or bfloat16) -> [M, n]
+at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& w, int64_t n) {
+  check_f32(x_, "x");
+  auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(w, K, n);
   auto out = at::empty({M, n}, x.options());
   if (M > 0) gemm(x.data_ptr<float>(), K, M, K, w, n, out.data_ptr<float>(), n);
   return out;
@@ -809,19 +818,39 @@ std::vector<int64_t> brgemm_layout_check() {
 }
 
 // HF RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight
+namespace {
+
+// out [T, H] (row stride ldo) = rms_norm of x's rows (row stride ldx) times weight
+void rms_norm_rows(const float* xp, int64_t ldx, int64_t T, int64_t H, const float* wp, double eps, float* op,
+                   int64_t ldo) {
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float s = rms_scale(xp + t * ldx, H, eps);
+      for (int64_t i = 0; i < H; ++i) op[t * ldo + i] = xp[t * ldx + i] * s * wp[i];
+    }
+  });
+}
+
+// residual [T, H] += x (in place); out = rms_norm(residual) times weight
+void add_rms_norm_rows(const float* xp, float* rp, int64_t T, int64_t H, const float* wp, double eps, float* op) {
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = rp + t * H;
+      for (int64_t i = 0; i < H; ++i) r[i] += xp[t * H + i];
+      const float s = rms_scale(r, H, eps);
+      for (int64_t i = 0; i < H; ++i) op[t * H + i] = r[i] * s * wp[i];
+    }
+  });
+}
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight, double eps) {
   check_f32(x_, "x");
   auto x = x_.contiguous();
   const int64_t H = x.size(-1), T = x.numel() / std::max<int64_t>(H, 1);
   auto out = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float s = rms_scale(xp + t * H, H, eps);
-      for (int64_t i = 0; i < H; ++i) op[t * H + i] = xp[t * H + i] * s * wp[i];
-    }
-  });
+  rms_norm_rows(x.data_ptr<float>(), H, T, H, weight.data_ptr<float>(), eps, out.data_ptr<float>(), H);
   return out;
 }
 
@@ -832,16 +861,8 @@ at::Tensor add_rms_norm(const at::Tensor& x_, at::Tensor& residual, const at::Te
   auto x = x_.contiguous();
   const int64_t H = x.size(-1), T = x.numel() / std::max<int64_t>(H, 1);
   auto out = at::empty_like(residual);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* r = rp + t * H;
-      for (int64_t i = 0; i < H; ++i) r[i] += xp[t * H + i];
-      const float s = rms_scale(r, H, eps);
-      for (int64_t i = 0; i < H; ++i) op[t * H + i] = r[i] * s * wp[i];
-    }
-  });
+  add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), T, H, weight.data_ptr<float>(), eps,
+                    out.data_ptr<float>());
   return out;
 }
 
@@ -1164,6 +1185,33 @@ int64_t latent_head_groups(int64_t B, int64_t H) {
   return std::max<int64_t>(1, std::min<int64_t>(H, (at::get_num_threads() + B - 1) / B));
 }
 
+void check_latent_planes(const at::Tensor& first, const at::Tensor& second, int64_t W) {
+  const bool i8 = first.scalar_type() == at::kChar;
+  const int64_t RW = i8 ? W / 2 + kvferry_cpu::KV_SCALE_BYTES : W / 2;
+  TORCH_CHECK(W % 2 == 0 && first.size(-1) == RW && first.is_contiguous() && second.is_contiguous() &&
+                  first.sizes() == second.sizes() && first.scalar_type() == second.scalar_type(),
+              "latent planes [1, blocks, bs, (rank + rope) / 2]");
+  TORCH_CHECK(i8 || first.scalar_type() == at::kFloat, "the latent cache must be float32 or int8");
+}
+
+// The latent planes a decode reads, float32: the planes themselves, or (int8 rows) the blocks the tables use,
+// dequantized once, with the tables renumbered to them. `keep` holds the tensors the view points into.
+LatentRows latent_rows_of(const at::Tensor& first, const at::Tensor& second, const at::Tensor& tables,
+                          const at::Tensor& lens, int64_t rank, int64_t skip, double scale,
+                          std::vector<at::Tensor>& keep) {
+  keep = {first, second, tables};
+  if (first.scalar_type() == at::kChar) {
+    auto [used, renumbered] = used_blocks(tables, lens, first.size(2));
+    keep = {dequantize_blocks(first, used), dequantize_blocks(second, used), renumbered};
+  }
+  check_f32(keep[0], "first");
+  check_f32(keep[1], "second");
+  return {keep[0].data_ptr<float>(), keep[1].data_ptr<float>(), keep[2].data_ptr<int64_t>(),
+          lens.data_ptr<int64_t>(),  keep[2].size(1),           keep[0].size(2),
+          keep[0].size(3),           rank,                       skip,
+          static_cast<float>(scale)};
+}
+
 }  // namespace
 
 // MLA's absorbed decode: one query token per sequence over its cached latent rows. q [B, H, Wl] (Wl = the
@@ -1176,25 +1224,15 @@ int64_t latent_head_groups(int64_t B, int64_t H) {
 at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first, const at::Tensor& second,
                                    const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale,
                                    int64_t rank, int64_t skip) {
-  auto block_tables = as_contiguous(block_tables_, at::kLong);
-  auto lens_t = as_contiguous(context_lens_, at::kLong);
-  if (first.scalar_type() == at::kChar) {
-    auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
-    return latent_decode_attention(q_, dequantize_blocks(first, used), dequantize_blocks(second, used), tables, lens_t,
-                                   scale, rank, skip);
-  }
   check_f32(q_, "q");
-  check_f32(first, "first");
-  check_f32(second, "second");
-  TORCH_CHECK(first.is_contiguous() && second.is_contiguous() && first.sizes() == second.sizes(), "latent planes");
   auto q = q_.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2), half = first.size(3);
-  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && rank > 0 && rank <= Wl && skip >= 0,
-              "q [B, H, 2 * half], rank <= width");
+  auto block_tables = as_contiguous(block_tables_, at::kLong), lens = as_contiguous(context_lens_, at::kLong);
+  const int64_t B = q.size(0), H = q.size(1), Wl = q.size(2);
+  check_latent_planes(first, second, Wl);
+  TORCH_CHECK(first.size(0) == 1 && rank > 0 && rank <= Wl && skip >= 0, "q [B, H, 2 * half], rank <= width");
+  std::vector<at::Tensor> keep;
+  const LatentRows rows = latent_rows_of(first, second, block_tables, lens, rank, skip, scale, keep);
   auto out = at::empty({B, H, rank}, q.options());
-  const LatentRows rows{first.data_ptr<float>(), second.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                        lens_t.data_ptr<int64_t>(), block_tables.size(1), first.size(2), half, rank, skip,
-                        static_cast<float>(scale)};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t groups = latent_head_groups(B, H), per = (H + groups - 1) / groups;
@@ -1213,27 +1251,17 @@ at::Tensor latent_decode_attention(const at::Tensor& q_, const at::Tensor& first
 // row [c | rotated k_rope] into its slot of the two half planes [1, blocks, bs, W/2] (float32, or int8 rows with
 // their scale). Returns (q with its rope part rotated, the rows [T, W]). Rotation: x * cos + roll(x, rope/2) * sin,
 // model/layers.py's apply_rotary.
-std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const at::Tensor& latent_,
-                                                     const at::Tensor& c_, const at::Tensor& cos_,
-                                                     const at::Tensor& sin_, at::Tensor& first, at::Tensor& second,
-                                                     const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_) {
-  check_f32(q_, "q");
-  auto q = q_.contiguous(), latent = latent_.contiguous(), c = c_.contiguous();
-  auto cs = as_contiguous(cos_, at::kFloat), sn = as_contiguous(sin_, at::kFloat);
-  auto blocks = as_contiguous(slot_blocks_, at::kLong), offsets = as_contiguous(slot_offsets_, at::kLong);
-  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), rank = c.size(1), rope = cs.size(1),
-                nope = qk - rope, W = rank + rope, half = W / 2;
-  const bool i8 = first.scalar_type() == at::kChar;
-  const int64_t RW = i8 ? half + kvferry_cpu::KV_SCALE_BYTES : half, num_blocks = first.size(1), bs = first.size(2);
-  TORCH_CHECK(latent.size(1) == W && W % 2 == 0 && first.size(-1) == RW && first.is_contiguous() &&
-                  second.is_contiguous(), "latent_rope_store shapes");
-  TORCH_CHECK(i8 || first.scalar_type() == at::kFloat, "the latent cache must be float32 or int8");
-  auto out = at::empty_like(q);
-  auto rows = at::empty({T, W}, q.options());
-  const float *qp = q.data_ptr<float>(), *lp = latent.data_ptr<float>(), *cp = c.data_ptr<float>(),
-              *cosp = cs.data_ptr<float>(), *sinp = sn.data_ptr<float>();
-  float *op = out.data_ptr<float>(), *rp = rows.data_ptr<float>();
-  const int64_t *bp = blocks.data_ptr<int64_t>(), *fp = offsets.data_ptr<int64_t>();
+namespace {
+
+// latent_rope_store on raw rows: q [T, H, nope + rope]; latent [T, rank + rope]; c [T, rank]; cos / sin [T, rope];
+// the two planes' data (float32 or int8 rows of RW bytes' worth), num_blocks x bs slots each; slot blocks and
+// offsets [T]. Writes the rotated q into q_out [T, H, nope + rope] and the rows into rows [T, rank + rope].
+void latent_rope_store_rows(const float* qp, const float* lp, const float* cp, const float* cosp, const float* sinp,
+                            int64_t T, int64_t H, int64_t qk, int64_t rank, int64_t rope, void* first, void* second,
+                            bool i8, int64_t num_blocks, int64_t bs, const int64_t* bp, const int64_t* fp, float* op,
+                            float* rp) {
+  const int64_t nope = qk - rope, W = rank + rope, half = W / 2;
+  const int64_t RW = i8 ? half + kvferry_cpu::KV_SCALE_BYTES : half;
   auto rotate = [&](const float* x, const float* cos, const float* sin, float* y) {
     for (int64_t i = 0; i < rope; ++i) y[i] = x[i] * cos[i] + x[(i + rope / 2) % rope] * sin[i];
   };
@@ -1252,14 +1280,36 @@ std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const
       TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && fp[t] >= 0 && fp[t] < bs, "slot out of range");
       const int64_t slot = (bp[t] * bs + fp[t]) * RW;
       if (i8) {
-        kvferry_cpu::quantize_kv_row(row, half, first.data_ptr<int8_t>() + slot);
-        kvferry_cpu::quantize_kv_row(row + half, half, second.data_ptr<int8_t>() + slot);
+        kvferry_cpu::quantize_kv_row(row, half, static_cast<int8_t*>(first) + slot);
+        kvferry_cpu::quantize_kv_row(row + half, half, static_cast<int8_t*>(second) + slot);
       } else {
-        std::copy(row, row + half, first.data_ptr<float>() + slot);
-        std::copy(row + half, row + W, second.data_ptr<float>() + slot);
+        std::copy(row, row + half, static_cast<float*>(first) + slot);
+        std::copy(row + half, row + W, static_cast<float*>(second) + slot);
       }
     }
   });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const at::Tensor& latent_,
+                                                     const at::Tensor& c_, const at::Tensor& cos_,
+                                                     const at::Tensor& sin_, at::Tensor& first, at::Tensor& second,
+                                                     const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_) {
+  check_f32(q_, "q");
+  auto q = q_.contiguous(), latent = latent_.contiguous(), c = c_.contiguous();
+  auto cs = as_contiguous(cos_, at::kFloat), sn = as_contiguous(sin_, at::kFloat);
+  auto blocks = as_contiguous(slot_blocks_, at::kLong), offsets = as_contiguous(slot_offsets_, at::kLong);
+  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), rank = c.size(1), rope = cs.size(1), W = rank + rope;
+  TORCH_CHECK(latent.size(1) == W, "latent_rope_store shapes");
+  check_latent_planes(first, second, W);
+  auto out = at::empty_like(q);
+  auto rows = at::empty({T, W}, q.options());
+  latent_rope_store_rows(q.data_ptr<float>(), latent.data_ptr<float>(), c.data_ptr<float>(), cs.data_ptr<float>(),
+                         sn.data_ptr<float>(), T, H, qk, rank, rope, first.data_ptr(), second.data_ptr(),
+                         first.scalar_type() == at::kChar, first.size(1), first.size(2),
+                         blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), out.data_ptr<float>(),
+                         rows.data_ptr<float>());
   return {out, rows};
 }
 
@@ -1328,40 +1378,13 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const
   return {weights, ids};
 }
 
-// MLA's absorbed decode, whole: q [T, H, nope + rope] (rope part rotated) -> [T, H, v]. Each head's q_nope is
-// folded through W_uk [H, nope, rank] into the latent space, attends over the cached rows (as
-// latent_decode_attention), and its result goes through W_uv [H, rank, v]. One parallel region: a work item
-// (a sequence's group of heads) runs all three for its heads; the small per-head products are row sums with
-// their running sums in registers (no batched GEMM calls for a handful of rows).
-at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first_,
-                         const at::Tensor& second_, const at::Tensor& block_tables_, const at::Tensor& context_lens_,
-                         double scale, int64_t skip) {
-  check_f32(q_, "q");
-  check_f32(w_uk_, "w_uk");
-  check_f32(w_uv_, "w_uv");
-  auto q = q_.contiguous(), w_uk = w_uk_.contiguous(), w_uv = w_uv_.contiguous();
-  auto block_tables = as_contiguous(block_tables_, at::kLong);
-  auto lens_t = as_contiguous(context_lens_, at::kLong);
-  at::Tensor first = first_, second = second_;
-  if (first.scalar_type() == at::kChar) {  // int8 rows: the blocks used, dequantized once
-    auto [used, tables] = used_blocks(block_tables, lens_t, first.size(2));
-    first = dequantize_blocks(first_, used);
-    second = dequantize_blocks(second_, used);
-    block_tables = tables;
-  }
-  check_f32(first, "first");
-  check_f32(second, "second");
-  TORCH_CHECK(first.is_contiguous() && second.is_contiguous() && first.sizes() == second.sizes(), "latent planes");
-  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), nope = w_uk.size(1), rank = w_uk.size(2),
-                rope = qk - nope, vd = w_uv.size(2), half = first.size(3), Wl = rank + rope;
-  TORCH_CHECK(w_uk.size(0) == H && w_uv.size(0) == H && w_uv.size(1) == rank && rope > 0, "W_uk / W_uv shapes");
-  TORCH_CHECK(first.size(0) == 1 && Wl == 2 * half && skip >= 0, "latent planes [1, blocks, bs, (rank + rope) / 2]");
-  const LatentRows rows{first.data_ptr<float>(), second.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                        lens_t.data_ptr<int64_t>(), block_tables.size(1), first.size(2), half, rank, skip,
-                        static_cast<float>(scale)};
-  auto out = at::empty({T, H, vd}, q.options());
-  const float *qp = q.data_ptr<float>(), *uk = w_uk.data_ptr<float>(), *uv = w_uv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+namespace {
+
+// latent_decode on raw rows: q [T, H, qk] (rope part rotated), W_uk [H, nope, rank], W_uv [H, rank, vd], float32
+// latent rows -> out [T, H, vd]
+void latent_decode_rows(const float* qp, int64_t T, int64_t H, int64_t qk, int64_t nope, int64_t vd, const float* uk,
+                        const float* uv, const LatentRows& rows, float* op) {
+  const int64_t rank = rows.rank, Wl = 2 * rows.half;
   const int64_t groups = latent_head_groups(T, H), per = (H + groups - 1) / groups;
   at::parallel_for(0, T * groups, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, query(per * Wl), attn(per * rank);
@@ -1378,6 +1401,33 @@ at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at
         combine_rows(attn.data() + (h - h0) * rank, rank, uv + h * rank * vd, vd, op + (b * H + h) * vd, vd);
     }
   });
+}
+
+}  // namespace
+
+// MLA's absorbed decode, whole: q [T, H, nope + rope] (rope part rotated) -> [T, H, v]. Each head's q_nope is
+// folded through W_uk [H, nope, rank] into the latent space, attends over the cached rows (as
+// latent_decode_attention), and its result goes through W_uv [H, rank, v]. One parallel region: a work item
+// (a sequence's group of heads) runs all three for its heads; the small per-head products are row sums with
+// their running sums in registers (no batched GEMM calls for a handful of rows).
+at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at::Tensor& w_uv_, const at::Tensor& first,
+                         const at::Tensor& second, const at::Tensor& block_tables_, const at::Tensor& context_lens_,
+                         double scale, int64_t skip) {
+  check_f32(q_, "q");
+  check_f32(w_uk_, "w_uk");
+  check_f32(w_uv_, "w_uv");
+  auto q = q_.contiguous(), w_uk = w_uk_.contiguous(), w_uv = w_uv_.contiguous();
+  auto block_tables = as_contiguous(block_tables_, at::kLong), lens = as_contiguous(context_lens_, at::kLong);
+  const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), nope = w_uk.size(1), rank = w_uk.size(2),
+                rope = qk - nope, vd = w_uv.size(2);
+  TORCH_CHECK(w_uk.size(0) == H && w_uv.size(0) == H && w_uv.size(1) == rank && rope > 0, "W_uk / W_uv shapes");
+  check_latent_planes(first, second, rank + rope);
+  TORCH_CHECK(first.size(0) == 1 && skip >= 0, "latent planes [1, blocks, bs, (rank + rope) / 2]");
+  std::vector<at::Tensor> keep;
+  const LatentRows rows = latent_rows_of(first, second, block_tables, lens, rank, skip, scale, keep);
+  auto out = at::empty({T, H, vd}, q.options());
+  latent_decode_rows(q.data_ptr<float>(), T, H, qk, nope, vd, w_uk.data_ptr<float>(), w_uv.data_ptr<float>(), rows,
+                     out.data_ptr<float>());
   return out;
 }
 
@@ -1622,28 +1672,61 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
   const int64_t L = kv_cache.size(0), H = x_.size(1), T = x_.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
+  check_f32(x_, "x");
+  TORCH_CHECK(x_.is_contiguous() && T > 0, "x [T, H], contiguous");
   // the step's index and rope tensors in the kernels' dtypes, and every layer's two cache planes, once
   const auto cos = as_contiguous(cos_, at::kFloat), sin = as_contiguous(sin_, at::kFloat);
   const auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);
   const auto block_tables = as_contiguous(block_tables_, at::kLong), context_lens = as_contiguous(context_lens_, at::kLong);
   std::vector<std::vector<at::Tensor>> planes;  // layer l's two planes (views of kv_cache)
   for (const auto& layer : kv_cache.unbind(0)) planes.push_back(layer.unbind(0));
-  at::Tensor x = x_, residual;
+  const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk;
+  const bool lora = weights[1].numel() > 0;
+  const int64_t qa = lora ? weights[2].size(0) : 0;
+  check_latent_planes(planes[0][0], planes[0][1], W);
+  TORCH_CHECK(planes[0][0].size(0) == 1 && cos.size(1) == rope && rope % 2 == 0, "latent planes, rope");
+  // the attention's activations, raw rows in one buffer that every layer reuses (the kernels below are the
+  // Python forward's, on rows: the same bits without an allocation and a dispatch per op)
+  auto work = at::empty({T * (H + 2 * qa + 2 * Q + 2 * W + rank + heads * vd + H)}, x_.options());
+  float* hp = work.data_ptr<float>();  // the normalised input [T, H]
+  float *qa_raw = hp + T * H, *qa_normed = qa_raw + T * qa, *qp = qa_normed + T * qa, *lat = qp + T * Q,
+        *cp = lat + T * W, *qrot = cp + T * rank, *rows = qrot + T * Q, *att = rows + T * W, *op = att + T * heads * vd;
+  auto h = at::empty({T, H}, x_.options());  // the post-attention norm's output, which the MLP ops take
+  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
+  const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
+  at::Tensor x = x_, residual = x_;  // (the residual stream starts as the input, added to in place)
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
-    at::Tensor first = planes[l][0], second = planes[l][1];
-    at::Tensor h = l == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, residual, w[0], eps);
-    if (l == 0) residual = x;
-    const int64_t qk = nope + rope;
-    at::Tensor q = w[1].numel() > 0
-                       ? packed_linear(rms_norm(packed_linear(h, w[1], w[2].size(0)), w[2], eps), w[3], heads * qk)
-                       : packed_linear(h, w[3], heads * qk);
-    auto latent = packed_linear(h, w[4], rank + rope);
-    auto c = rms_norm(latent.narrow(1, 0, rank).contiguous(), w[5], eps);
-    auto query = std::get<0>(
-        latent_rope_store(q.view({T, heads, qk}), latent, c, cos, sin, first, second, slot_blocks, slot_offsets));
-    auto out = latent_decode(query, w[6], w[7], first, second, block_tables, context_lens, scale, 0);
-    h = add_rms_norm(packed_linear(out.view({T, heads * vd}), w[8], H), residual, w[9], eps);
+    at::Tensor &first = planes[l][0], &second = planes[l][1];
+    if (l == 0)
+      rms_norm_rows(x.data_ptr<float>(), H, T, H, w[0].data_ptr<float>(), eps, hp, H);
+    else
+      add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), T, H, w[0].data_ptr<float>(), eps, hp);
+    if (lora) {
+      check_packed(w[1], H, qa);
+      check_packed(w[3], qa, Q);
+      gemm(hp, H, T, H, w[1], qa, qa_raw, qa);
+      rms_norm_rows(qa_raw, qa, T, qa, w[2].data_ptr<float>(), eps, qa_normed, qa);
+      gemm(qa_normed, qa, T, qa, w[3], Q, qp, Q);
+    } else {
+      check_packed(w[3], H, Q);
+      gemm(hp, H, T, H, w[3], Q, qp, Q);
+    }
+    check_packed(w[4], H, W);
+    gemm(hp, H, T, H, w[4], W, lat, W);
+    rms_norm_rows(lat, W, T, rank, w[5].data_ptr<float>(), eps, cp, rank);  // c: the latent's first rank values
+    latent_rope_store_rows(qp, lat, cp, cosp, sinp, T, heads, qk, rank, rope, first.data_ptr(), second.data_ptr(),
+                           first.scalar_type() == at::kChar, first.size(1), first.size(2), sbp, sop, qrot, rows);
+    check_f32(w[6], "w_uk");
+    check_f32(w[7], "w_uv");
+    TORCH_CHECK(w[6].is_contiguous() && w[7].is_contiguous() && w[6].numel() == heads * nope * rank &&
+                    w[7].numel() == heads * rank * vd, "W_uk / W_uv shapes");
+    std::vector<at::Tensor> keep;
+    const LatentRows lr = latent_rows_of(first, second, block_tables, context_lens, rank, 0, scale, keep);
+    latent_decode_rows(qrot, T, heads, qk, nope, vd, w[6].data_ptr<float>(), w[7].data_ptr<float>(), lr, att);
+    check_packed(w[8], heads * vd, H);
+    gemm(att, heads * vd, T, heads * vd, w[8], H, op, H);
+    add_rms_norm_rows(op, residual.data_ptr<float>(), T, H, w[9].data_ptr<float>(), eps, h.data_ptr<float>());
     if (w[10].numel() > 0) {
       auto [top, ids] = grouped_topk(at::mm(h, w[10]), w[11], top_k, renormalize, n_group, topk_group, routed_scaling);
       x = moe_experts(h, ids, top, w[12], w[13], 0);
