@@ -124,7 +124,7 @@ def main() -> None:
     # the batch-1 step and the bandwidth it is held against, measured alternately, the best of each counting
     # (a shared machine's bandwidth and its neighbours' load drift over seconds, as the throughput runs do)
     step_runs, memcpy_runs = [], []
-    for _ in range(args.step_repeats):
+    for _ in range(max(1, args.step_repeats)):
         step_runs.append(decode_step_ms_at_batch_1(engine))
         memcpy_runs.append(memcpy_gbps())
     step_ms, bandwidth = min(step_runs), max(memcpy_runs)

@@ -1061,31 +1061,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 
 namespace {
 
-#ifdef KVFERRY_AVX512BF16
-inline float dot_wide(const float* a, const float* b, int64_t n) {  // 16 lanes, a masked tail
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-#else
-inline float dot_wide(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
-#endif
-
-// y[j : j + 8V] (n: where y ends; the last vector masked) = the sum over i < m of a[i] * row(i)[same], each value
-// summed from 0 in i order, a fused multiply-add a step, with V running sums in registers
+// y[j : j + 8V] (n: where y ends; the last vector masked) = (add ? y : 0) + the sum over i < m of a[i] *
+// row(i)[same], each value summed in i order, a fused multiply-add a step, with V running sums in registers
 template <int V, typename Row>
-inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, int64_t j, int64_t n) {
+inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, int64_t j, int64_t n, bool add) {
   const int64_t rem = n - j - 8 * (V - 1);  // values in the last vector, 1..8
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 c[V];
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) c[v] = _mm256_setzero_ps();
+  for (int v = 0; v < V - 1; ++v) c[v] = add ? _mm256_loadu_ps(y + j + 8 * v) : _mm256_setzero_ps();
+  c[V - 1] = add ? _mm256_maskload_ps(y + j + 8 * (V - 1), tail) : _mm256_setzero_ps();
   for (int64_t i = 0; i < m; ++i) {
     const __m256 ai = _mm256_set1_ps(a[i]);
     const float* x = row(i) + j;
@@ -1098,20 +1083,21 @@ inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, i
   _mm256_maskstore_ps(y + j + 8 * (V - 1), tail, c[V - 1]);
 }
 
-// y[0:n] = the sum over i < m of a[i] * row(i)[0:n], each value summed from 0 in i order by fused multiply-adds
-// (axpy calls on a zeroed y, without their store and reload of y per row)
+// y[0:n] = (add ? y : 0) + the sum over i < m of a[i] * row(i)[0:n], each value summed in i order by fused
+// multiply-adds (axpy calls, without their store and reload of y per row). Rows split into runs give the same
+// bits: the first run with add = false, the others with add = true.
 template <typename Row>
-void combine(const float* a, int64_t m, const Row& row, float* y, int64_t n) {
+void combine(const float* a, int64_t m, const Row& row, float* y, int64_t n, bool add = false) {
   for (int64_t j = 0; j < n; j += 64) {
     switch ((std::min<int64_t>(64, n - j) + 7) / 8) {
-      case 1: combine_chunk<1>(a, m, row, y, j, n); break;
-      case 2: combine_chunk<2>(a, m, row, y, j, n); break;
-      case 3: combine_chunk<3>(a, m, row, y, j, n); break;
-      case 4: combine_chunk<4>(a, m, row, y, j, n); break;
-      case 5: combine_chunk<5>(a, m, row, y, j, n); break;
-      case 6: combine_chunk<6>(a, m, row, y, j, n); break;
-      case 7: combine_chunk<7>(a, m, row, y, j, n); break;
-      default: combine_chunk<8>(a, m, row, y, j, n); break;
+      case 1: combine_chunk<1>(a, m, row, y, j, n, add); break;
+      case 2: combine_chunk<2>(a, m, row, y, j, n, add); break;
+      case 3: combine_chunk<3>(a, m, row, y, j, n, add); break;
+      case 4: combine_chunk<4>(a, m, row, y, j, n, add); break;
+      case 5: combine_chunk<5>(a, m, row, y, j, n, add); break;
+      case 6: combine_chunk<6>(a, m, row, y, j, n, add); break;
+      case 7: combine_chunk<7>(a, m, row, y, j, n, add); break;
+      default: combine_chunk<8>(a, m, row, y, j, n, add); break;
     }
   }
 }
@@ -1149,34 +1135,46 @@ struct LatentRows {
   float scale;
 };
 
-// One work item of the absorbed decode: sequence b's hn heads, queries qb [hn, 2 half] -> ob [hn, rank].
-// Each row is read from memory once and used by every head of the item while it is in cache.
+// One work item of the absorbed decode: sequence b's hn heads, queries qb [hn, 2 half] -> ob [hn, rank]. Rows
+// are read in runs of ROWS that stay in cache while every head of the item uses them (scores, then the
+// weighted sum). Every head's score goes through the 8-head kernel (the last heads padded with zero queries), so
+// a head's result does not depend on how heads are grouped (the thread count, the batch).
 void latent_attend_heads(const LatentRows& c, int64_t b, const float* qb, int64_t hn, float* ob,
                          std::vector<float>& scores) {
+  constexpr int64_t ROWS = 64;
   const int64_t Wl = 2 * c.half, lo = std::min(c.half, c.rank), hi = c.rank - lo;  // V's values in each plane
   const int64_t end = std::min(c.lens[b], c.W * c.bs), len = std::max<int64_t>(end - c.skip, 0);
   if (hn <= 0) return;
   if (len == 0) return std::fill(ob, ob + hn * c.rank, 0.f);
-  scores.resize(hn * len + 8);
+  const int64_t h8 = (hn + 7) / 8 * 8;  // heads rounded up to whole groups of 8
+  std::vector<float> padded;
+  if (h8 != hn) {  // the queries with zero rows after the last head
+    padded.assign(h8 * Wl, 0.f);
+    std::copy(qb, qb + hn * Wl, padded.begin());
+    qb = padded.data();
+  }
+  scores.resize(h8 * len);
   std::vector<int64_t> at(len);  // each row's offset in the planes
   for (int64_t i = 0; i < len; ++i) {  // row i: position skip + i
     const int64_t t = c.skip + i;
     at[i] = (c.bt[b * c.W + t / c.bs] * c.bs + t % c.bs) * c.half;
   }
-  float* s8 = scores.data() + hn * len;
+  alignas(32) float s8[8];
   for (int64_t i = 0; i < len; ++i) {
     const float *r0 = c.p0 + at[i], *r1 = c.p1 + at[i];
-    int64_t h = 0;
-    for (; h + 8 <= hn; h += 8) {
+    for (int64_t h = 0; h < h8; h += 8) {
       latent_scores8(qb + h * Wl, Wl, r0, r1, c.half, s8);
       for (int64_t g = 0; g < 8; ++g) scores[(h + g) * len + i] = s8[g];
     }
-    for (; h < hn; ++h) scores[h * len + i] = dot_wide(qb + h * Wl, r0, c.half) + dot_wide(qb + h * Wl + c.half, r1, c.half);
   }
   softmax_rows(scores.data(), hn, len, c.scale);
-  for (int64_t h = 0; h < hn; ++h) {
-    combine(scores.data() + h * len, len, [&](int64_t i) { return c.p0 + at[i]; }, ob + h * c.rank, lo);
-    if (hi > 0) combine(scores.data() + h * len, len, [&](int64_t i) { return c.p1 + at[i]; }, ob + h * c.rank + lo, hi);
+  for (int64_t i0 = 0; i0 < len; i0 += ROWS) {
+    const int64_t n = std::min(ROWS, len - i0);
+    for (int64_t h = 0; h < hn; ++h) {
+      const float* p = scores.data() + h * len + i0;
+      combine(p, n, [&](int64_t i) { return c.p0 + at[i0 + i]; }, ob + h * c.rank, lo, i0 > 0);
+      if (hi > 0) combine(p, n, [&](int64_t i) { return c.p1 + at[i0 + i]; }, ob + h * c.rank + lo, hi, i0 > 0);
+    }
   }
 }
 
@@ -1673,7 +1671,7 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   const int64_t L = kv_cache.size(0), H = x_.size(1), T = x_.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
   check_f32(x_, "x");
-  TORCH_CHECK(x_.is_contiguous() && T > 0, "x [T, H], contiguous");
+  TORCH_CHECK(x_.is_contiguous() && T > 0 && L > 0, "x [T, H], contiguous; at least one layer");
   // the step's index and rope tensors in the kernels' dtypes, and every layer's two cache planes, once
   const auto cos = as_contiguous(cos_, at::kFloat), sin = as_contiguous(sin_, at::kFloat);
   const auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);

@@ -36,14 +36,16 @@ def test_packed_linear(m, k, n):
 
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_decode_rows_take_several_blocks_at_once(m, bf16):
-    """Decode's one or two rows run four (two) column blocks a tile: 13 blocks, the last one partial, leave
-    single blocks after the wide tiles in each thread's range; every column is still x @ w."""
-    x, w = randn(m, 96), randn(96, 200)
+@pytest.mark.parametrize("n", [200, 190])
+def test_decode_rows_take_several_blocks_at_once(m, bf16, n):
+    """Decode's one or two rows run four (two) column blocks a tile. 13 blocks, the last one partial, leave
+    single blocks after the wide tiles; 12 (n=190) put the partial block inside a wide tile. Every column is
+    still x @ w."""
+    x, w = randn(m, 96), randn(96, n)
     if bf16:
         w = w.bfloat16().float()
     packed = pack(w)
-    assert packed.shape[0] == 13 and packed.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert packed.shape[0] == -(-n // 16) and packed.dtype == (torch.bfloat16 if bf16 else torch.float32)
     torch.testing.assert_close(linear(x, packed), x @ w, rtol=1e-5, atol=1e-4)
 
 
@@ -336,7 +338,7 @@ LATENT_CASES = [(16, 40, 64), (4, 32, 48), (5, 9, 17), (3, 24, 40)]  # heads, ha
 
 
 @pytest.mark.parametrize(("heads", "half", "rank"), LATENT_CASES)
-@pytest.mark.parametrize("lens", [[1], [16, 3, 40], [8, 9, 17, 33, 64]])
+@pytest.mark.parametrize("lens", [[1], [16, 3, 40], [8, 9, 17, 33, 64], [150, 3]])  # 150: three runs of rows
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("skip", [0, 1])
 def test_latent_decode_attention(heads, half, rank, lens, int8, skip):
@@ -350,6 +352,26 @@ def test_latent_decode_attention(heads, half, rank, lens, int8, skip):
     out = cpu.ops().latent_decode_attention(*args, 0.2, rank, skip)
     expected = latent_decode_attention_reference(*args, 0.2, rank, skip).nan_to_num(0.0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [12, 16, 20])
+def test_a_heads_latent_attention_does_not_depend_on_the_grouping(heads):
+    """Work items group a sequence's heads by the thread count and the batch (one sequence on two threads:
+    two groups; on one thread, or in a batch of two: one). Every head's scores go through the same 8-head
+    kernel whatever its group, so a sequence's result is bit for bit the same alone or batched, on one
+    thread or two."""
+    args = latent_inputs([150, 40], heads, 40, 8, False)
+    q, first, second, tables, lens = args
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            alone = cpu.ops().latent_decode_attention(q[:1], first, second, tables[:1], lens[:1], 0.2, 64)
+            results += [alone, cpu.ops().latent_decode_attention(*args, 0.2, 64)[:1]]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 LATENT_AVX2_CHECK = """
