@@ -164,7 +164,8 @@ inline void tile_wide(const float* x, int64_t ldx, const T* w, int64_t K, float*
   }
 }
 
-// column blocks [b0, b1) for R <= 2 rows, C blocks per tile (R = 1: 4, R = 2: 2; 8 accumulators either way)
+// column blocks [b0, b1) for R <= 2 rows, C blocks per tile (R = 1: 4, R = 2: 2; 8 accumulators either way),
+// the blocks left over one at a time (the one-block tile)
 template <int R, typename T>
 void few_rows(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N, float* out, int64_t ldo, int64_t b0,
               int64_t b1) {
@@ -172,7 +173,7 @@ void few_rows(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N, flo
   const int64_t block = K * NB;
   int64_t j = b0;
   for (; j + C <= b1; j += C) tile_wide<R, C>(x, ldx, w + j * block, K, out + j * NB, ldo, N - j * NB);
-  for (; j < b1; ++j) tile_wide<R, 1>(x, ldx, w + j * block, K, out + j * NB, ldo, N - j * NB);
+  for (; j < b1; ++j) tile<R>(x, ldx, w + j * block, K, out + j * NB, ldo, std::min<int64_t>(NB, N - j * NB));
 }
 
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ packed w [nblocks, K, 16]; serial
