@@ -38,6 +38,8 @@ class DenseMLP(nn.Module):
         self.w2 = nn.Parameter(torch.empty(intermediate, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.w13, "out_features"):  # packed for the C++ kernels: one call, their SiLU
+            return cpu_ops().gated_mlp(x, self.w13, self.w2)
         return linear(silu_and_mul(linear(x, self.w13)), self.w2)
 
 
@@ -175,10 +177,10 @@ class _Routed(nn.Module):
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for the tokens x [T, H]."""
         g = self.gating
-        if g.sigmoid and self.cpu_kernels:
-            logits = x.float() @ self.router.float()
-            weights, ids = cpu_ops().grouped_topk(
-                logits, self.e_bias, g.top_k, g.renormalize, g.n_group, g.topk_group, g.scaling
+        if g.sigmoid and self.cpu_kernels:  # the router's logits and the choice in one call
+            xf, router = x.float(), self.router.float()
+            weights, ids = cpu_ops().grouped_route(
+                xf, router, self.e_bias, g.top_k, g.renormalize, g.n_group, g.topk_group, g.scaling
             )
             return weights.to(x.dtype), ids
         if g.sigmoid:

@@ -20,9 +20,20 @@
 #include "int8_gemm.h"
 #include "vec_math.h"
 
+#include <linux/futex.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <string>
 #include <cmath>
 #include <numeric>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -1312,72 +1323,159 @@ std::tuple<at::Tensor, at::Tensor> latent_rope_store(const at::Tensor& q_, const
   return {out, rows};
 }
 
-// DeepSeek-V3's noaux_tc routing over router logits [T, E] (float32): sigmoid scores; scores + bias choose the
-// topk_group groups (of n_group) whose two best experts score highest, then the top_k experts in them; weights
+namespace {
+
+// DeepSeek-V3's noaux_tc choice for rows [t0, t1) of router logits lp [T, E]: sigmoid scores; scores + bias choose
+// the topk_group groups (of n_group) whose two best experts score highest, then the top_k experts in them; weights
 // are the chosen experts' scores, renormalised (sum + 1e-20) if asked, times `scaling` (model/moe.py's
-// grouped_route). Returns (weights [T, k] float32, ids [T, k] int64), experts in descending choice order.
+// grouped_route). Writes weights wp [T, k] and ids ip [T, k], experts in descending choice order; serial.
+void grouped_topk_rows(const float* lp, int64_t t0, int64_t t1, int64_t E, const float* bp, int64_t top_k,
+                       bool renormalize, int64_t n_group, int64_t topk_group, double scaling, float* wp, int64_t* ip) {
+  const int64_t per = E / n_group;
+  std::vector<float> score(E), choice(E);
+  std::vector<int64_t> order(std::max(E, n_group));
+  std::vector<float> group_best(n_group);
+  std::vector<char> allowed(n_group);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      score[e] = 1.f / (1.f + std::exp(-lp[t * E + e]));
+      choice[e] = score[e] + bp[e];
+    }
+    std::fill(allowed.begin(), allowed.end(), 1);
+    if (topk_group < n_group) {
+      for (int64_t g = 0; g < n_group; ++g) {
+        const float* v = choice.data() + g * per;
+        float a = -INFINITY, b = -INFINITY;
+        for (int64_t i = 0; i < per; ++i) {
+          if (v[i] > a) {
+            b = a;
+            a = v[i];
+          } else if (v[i] > b) {
+            b = v[i];
+          }
+        }
+        group_best[g] = a + b;
+      }
+      std::iota(order.begin(), order.begin() + n_group, 0);
+      std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group,
+                        [&](int64_t a, int64_t b) { return group_best[a] > group_best[b]; });
+      std::fill(allowed.begin(), allowed.end(), 0);
+      for (int64_t i = 0; i < topk_group; ++i) allowed[order[i]] = 1;
+    }
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e)
+      if (allowed[e / per]) order[n++] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + n,
+                      [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
+    float sum = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) sum += score[order[j]];
+    const float norm = renormalize ? sum + 1e-20f : 1.f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      ip[t * top_k + j] = order[j];
+      wp[t * top_k + j] = score[order[j]] / norm * static_cast<float>(scaling);
+    }
+  }
+}
+
+void check_grouping(int64_t E, int64_t top_k, int64_t n_group, int64_t topk_group, int64_t bias_numel) {
+  TORCH_CHECK(n_group > 0 && E % n_group == 0 && topk_group > 0 && topk_group <= n_group, "n_group / topk_group");
+  const int64_t per = E / n_group;
+  TORCH_CHECK(per >= (topk_group < n_group ? 2 : 1) && top_k > 0 && top_k <= per * topk_group && bias_numel == E,
+              "grouped_topk shapes");
+}
+
+// router logits out [T, E] = x [T, H] @ router [H, E] (float32, input-major, not packed) for rows [t0, t1);
+// serial. Each logit is one fused multiply-add chain over k in order, whichever rows and threads.
+void router_logits_rows(const float* x, int64_t t0, int64_t t1, int64_t H, const float* r, int64_t E, float* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * H;
+    float* o = out + t * E;
+    int64_t c = 0;
+    for (; c + 32 <= E; c += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < H; ++k) {
+        const __m256 xv = _mm256_set1_ps(xr[k]);
+        const float* w = r + k * E + c;
+        a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), a0);
+        a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), a1);
+        a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 16), a2);
+        a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 24), a3);
+      }
+      _mm256_storeu_ps(o + c, a0);
+      _mm256_storeu_ps(o + c + 8, a1);
+      _mm256_storeu_ps(o + c + 16, a2);
+      _mm256_storeu_ps(o + c + 24, a3);
+    }
+    for (; c + 8 <= E; c += 8) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = 0; k < H; ++k) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), _mm256_loadu_ps(r + k * E + c), a);
+      _mm256_storeu_ps(o + c, a);
+    }
+    for (; c < E; ++c) {
+      float a = 0.f;
+      for (int64_t k = 0; k < H; ++k) a = std::fma(xr[k], r[k * E + c], a);
+      o[c] = a;
+    }
+  }
+}
+
+}  // namespace
+
+// DeepSeek-V3's noaux_tc routing over router logits [T, E] (float32): grouped_topk_rows for every row. Returns
+// (weights [T, k] float32, ids [T, k] int64), experts in descending choice order.
 std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits_, const at::Tensor& bias_, int64_t top_k,
                                                 bool renormalize, int64_t n_group, int64_t topk_group,
                                                 double scaling) {
   auto logits = as_contiguous(logits_, at::kFloat);
   auto bias = as_contiguous(bias_, at::kFloat);
-  const int64_t T = logits.size(0), E = logits.size(1), per = E / n_group;
-  TORCH_CHECK(E % n_group == 0 && per >= (topk_group < n_group ? 2 : 1) && top_k <= E && bias.numel() == E,
-              "grouped_topk shapes");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  check_grouping(E, top_k, n_group, topk_group, bias.numel());
   auto weights = at::empty({T, top_k}, logits.options());
   auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
   const float *lp = logits.data_ptr<float>(), *bp = bias.data_ptr<float>();
   float* wp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(E), choice(E);
-    std::vector<int64_t> order(std::max(E, n_group));
-    std::vector<float> group_best(n_group);
-    std::vector<char> allowed(n_group);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t e = 0; e < E; ++e) {
-        score[e] = 1.f / (1.f + std::exp(-lp[t * E + e]));
-        choice[e] = score[e] + bp[e];
-      }
-      std::fill(allowed.begin(), allowed.end(), 1);
-      if (topk_group < n_group) {
-        for (int64_t g = 0; g < n_group; ++g) {
-          const float* v = choice.data() + g * per;
-          float a = -INFINITY, b = -INFINITY;
-          for (int64_t i = 0; i < per; ++i) {
-            if (v[i] > a) {
-              b = a;
-              a = v[i];
-            } else if (v[i] > b) {
-              b = v[i];
-            }
-          }
-          group_best[g] = a + b;
-        }
-        std::iota(order.begin(), order.begin() + n_group, 0);
-        std::partial_sort(order.begin(), order.begin() + topk_group, order.begin() + n_group,
-                          [&](int64_t a, int64_t b) { return group_best[a] > group_best[b]; });
-        std::fill(allowed.begin(), allowed.end(), 0);
-        for (int64_t i = 0; i < topk_group; ++i) allowed[order[i]] = 1;
-      }
-      int64_t n = 0;
-      for (int64_t e = 0; e < E; ++e)
-        if (allowed[e / per]) order[n++] = e;
-      std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + n,
-                        [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
-      float sum = 0.f;
-      for (int64_t j = 0; j < top_k; ++j) sum += score[order[j]];
-      const float norm = renormalize ? sum + 1e-20f : 1.f;
-      for (int64_t j = 0; j < top_k; ++j) {
-        ip[t * top_k + j] = order[j];
-        wp[t * top_k + j] = score[order[j]] / norm * static_cast<float>(scaling);
-      }
-    }
+    grouped_topk_rows(lp, t0, t1, E, bp, top_k, renormalize, n_group, topk_group, scaling, wp, ip);
   });
   return {weights, ids};
 }
 
+// The whole noaux_tc route of x [T, H] (float32): router logits x @ router [H, E] (float32; router_logits_rows),
+// then grouped_topk. What the decode step's kernel runs, so the layer-by-layer forward calls it too.
+std::tuple<at::Tensor, at::Tensor> grouped_route(const at::Tensor& x_, const at::Tensor& router_, const at::Tensor& bias,
+                                                 int64_t top_k, bool renormalize, int64_t n_group, int64_t topk_group,
+                                                 double scaling) {
+  check_f32(x_, "x");
+  check_f32(router_, "router");
+  auto x = x_.contiguous(), router = router_.contiguous();
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(0) == x.size(1), "x [T, H], router [H, E]");
+  const int64_t T = x.size(0), H = x.size(1), E = router.size(1);
+  auto logits = at::empty({T, E}, x.options());
+  const float *xp = x.data_ptr<float>(), *rp = router.data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { router_logits_rows(xp, t0, t1, H, rp, E, lp); });
+  return grouped_topk(logits, bias, top_k, renormalize, n_group, topk_group, scaling);
+}
+
 namespace {
+
+// one work item of latent_decode_rows: sequence item / groups, its (item % groups)-th group of `per` heads
+void latent_decode_item(const float* qp, int64_t H, int64_t qk, int64_t nope, int64_t vd, const float* uk,
+                        const float* uv, const LatentRows& rows, int64_t item, int64_t groups, int64_t per,
+                        std::vector<float>& query, std::vector<float>& attn, std::vector<float>& scores, float* op) {
+  const int64_t rank = rows.rank, Wl = 2 * rows.half;
+  const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
+  for (int64_t h = h0; h < h0 + hn; ++h) {  // the query in the latent space: [q_nope W_uk | q_rope]
+    const float* src = qp + (b * H + h) * qk;
+    float* dst = query.data() + (h - h0) * Wl;
+    combine_rows(src, nope, uk + h * nope * rank, rank, dst, rank);
+    std::copy(src + nope, src + qk, dst + rank);
+  }
+  latent_attend_heads(rows, b, query.data(), hn, attn.data(), scores);
+  for (int64_t h = h0; h < h0 + hn; ++h)
+    combine_rows(attn.data() + (h - h0) * rank, rank, uv + h * rank * vd, vd, op + (b * H + h) * vd, vd);
+}
 
 // latent_decode on raw rows: q [T, H, qk] (rope part rotated), W_uk [H, nope, rank], W_uv [H, rank, vd], float32
 // latent rows -> out [T, H, vd]
@@ -1387,18 +1485,8 @@ void latent_decode_rows(const float* qp, int64_t T, int64_t H, int64_t qk, int64
   const int64_t groups = latent_head_groups(T, H), per = (H + groups - 1) / groups;
   at::parallel_for(0, T * groups, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, query(per * Wl), attn(per * rank);
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
-      for (int64_t h = h0; h < h0 + hn; ++h) {  // the query in the latent space: [q_nope W_uk | q_rope]
-        const float* src = qp + (b * H + h) * qk;
-        float* dst = query.data() + (h - h0) * Wl;
-        combine_rows(src, nope, uk + h * nope * rank, rank, dst, rank);
-        std::copy(src + nope, src + qk, dst + rank);
-      }
-      latent_attend_heads(rows, b, query.data(), hn, attn.data(), scores);
-      for (int64_t h = h0; h < h0 + hn; ++h)
-        combine_rows(attn.data() + (h - h0) * rank, rank, uv + h * rank * vd, vd, op + (b * H + h) * vd, vd);
-    }
+    for (int64_t item = i0; item < i1; ++item)
+      latent_decode_item(qp, H, qk, nope, vd, uk, uv, rows, item, groups, per, query, attn, scores, op);
   });
 }
 
@@ -1601,6 +1689,26 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& ids_, const at::T
   return out;
 }
 
+// A dense gated MLP: x [T, H] (float32) @ packed w13 [gate | up] -> silu(gate) * up (silu_mul, the experts'
+// own) @ packed w2 -> [T, H]. The dense layers and DeepSeek's shared experts, in every path that runs kernels.
+at::Tensor gated_mlp(const at::Tensor& x_, const at::Tensor& w13, const at::Tensor& w2) {
+  check_f32(x_, "x");
+  auto x = x_.contiguous();
+  TORCH_CHECK(x.dim() == 2, "x [T, H]");
+  const int64_t T = x.size(0), H = x.size(1), I = packed_k(w2);
+  check_packed(w13, H, 2 * I);
+  check_packed(w2, I, H);
+  auto h13 = at::empty({T, 2 * I}, x.options()), out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  float *hp = h13.data_ptr<float>(), *op = out.data_ptr<float>();
+  gemm(x.data_ptr<float>(), H, T, H, w13, 2 * I, hp, 2 * I);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) silu_mul(hp + t * 2 * I, I);
+  });
+  gemm(hp, 2 * I, T, I, w2, H, op, H);  // the SiLU*up half, in place (row stride 2I)
+  return out;
+}
+
 // A whole decode step's decoder layers and final norm in one call (every token a decode, one rank, no
 // expert parallelism): the same kernels and ATen ops, in the same order, as the model's Python forward
 // with kernels on, without a Python round trip between them. x [T, H] is the embedded tokens; weights
@@ -1637,19 +1745,394 @@ at::Tensor decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tenso
       if (renormalize) top = top / top.sum(-1, true);
       x = moe_experts(h, ids, top.to(h.scalar_type()), w[7], w[8], 0);
     } else {  // dense MLP
-      const int64_t I = packed_k(w[8]);
-      auto gate_up = packed_linear(h, w[7], 2 * I).chunk(2, -1);
-      x = packed_linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w[8], H);
+      x = gated_mlp(h, w[7], w[8]);
     }
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }
 
+
 namespace {
 
-at::Tensor gated_mlp(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2, int64_t H) {
-  auto gate_up = packed_linear(h, w13, 2 * packed_k(w2)).chunk(2, -1);
-  return packed_linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w2, H);
+// The threads of one parallel region, meeting at barriers between the phases of a decode step. A parallel
+// region is a fork and a join (1-2 us each on a 2-core VM while the threads spin, 5-13 us after a pause of a
+// few hundred us) and the layer-by-layer step opened about fifteen a layer; a barrier here costs ~0.25 us.
+// A member that waits spins a while, then sleeps on a futex (a peer whose core another process holds must
+// not be kept from it by a spinning member: OMP_WAIT_POLICY=PASSIVE, the shared placement's, spins least).
+// Nothing inside a region may throw: every check runs before it.
+struct Team {
+  std::atomic<int32_t> count{0}, generation{0}, sleepers{0};
+};
+
+// how long a member spins at a barrier before it sleeps: longer than any phase of a step lasts, so that a
+// step's members never pay a futex wake-up (tens of microseconds on a VM) while both have their cores
+inline std::chrono::nanoseconds barrier_spin() {
+  static const std::chrono::nanoseconds spin = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    const bool passive = policy && (std::string(policy) == "PASSIVE" || std::string(policy) == "passive");
+    return std::chrono::nanoseconds(passive ? 20'000 : 500'000);
+  }();
+  return spin;
+}
+
+struct Member {
+  Team* team;
+  int64_t tid, nt;
+  void sync() {  // wait until every member has finished the phase
+    if (nt == 1) return;
+    const int32_t gen = team->generation.load(std::memory_order_acquire);
+    if (team->count.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {  // the last one in lets the others go
+      team->count.store(0, std::memory_order_relaxed);
+      team->generation.store(gen + 1, std::memory_order_seq_cst);
+      if (team->sleepers.load(std::memory_order_seq_cst) > 0)
+        syscall(SYS_futex, reinterpret_cast<int32_t*>(&team->generation), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
+                nullptr, 0);
+      return;
+    }
+    const auto since = std::chrono::steady_clock::now();
+    bool spinning = true;
+    for (int64_t i = 1; team->generation.load(std::memory_order_acquire) == gen; ++i) {
+      if (spinning) {
+        _mm_pause();
+        if (i % 64 == 0) spinning = std::chrono::steady_clock::now() - since < barrier_spin();
+        continue;
+      }
+      team->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (team->generation.load(std::memory_order_seq_cst) == gen)
+        syscall(SYS_futex, reinterpret_cast<int32_t*>(&team->generation), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr,
+                0);
+      team->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+  int64_t lo(int64_t n) const { return n * tid / nt; }  // this member's share [lo, hi) of n items
+  int64_t hi(int64_t n) const { return n * (tid + 1) / nt; }
+};
+
+// body(member) on each of at::get_num_threads() threads (one, inside another parallel region)
+template <typename F>
+void run_team(F&& body) {
+  Team team;
+  const int want = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(want)
+  {
+    Member me{&team, omp_get_thread_num(), omp_get_num_threads()};
+    body(me);
+  }
+}
+
+// An activation in the layout of the packed weights that read it: float32 rows (x, row stride ldx), and for
+// bf16-pair weights their bf16 copy (row stride K), for int8 weights their int8 rows and scales, each with the
+// rows of slack the brgemm path reads past the last (zeros, or rows of an earlier use: a row's result depends
+// on its own values only).
+struct Act {
+  const float* x = nullptr;
+  int64_t ldx = 0, K = 0, slack = 0;
+  bool pairs = false, i8 = false;
+  std::vector<uint16_t> b;
+  std::vector<kvferry_cpu::act_t> q;
+  std::vector<float> s;
+  Act(const float* x_, int64_t ldx_, int64_t K_, int64_t rows, const Packed& w)
+      : x(x_), ldx(ldx_), K(K_), slack(kvferry_cpu::brgemm_slack(rows)), pairs(w.pairs), i8(w.i8) {
+    b.assign(pairs ? (rows + slack) * K : 0, 0);
+    q.assign(i8 ? (rows + slack) * K : 0, 0);
+    s.assign(i8 ? rows : 0, 0.f);
+  }
+  void fill(int64_t r0, int64_t r1) {  // rows [r0, r1) of x into the weights' layout
+#ifdef KVFERRY_AVX512BF16
+    if (pairs)
+      for (int64_t r = r0; r < r1; ++r) row_to_bf16(x + r * ldx, K, b.data() + r * K, K);
+#endif
+    if (i8)
+      for (int64_t r = r0; r < r1; ++r) s[r] = kvferry_cpu::quantize_row(x + r * ldx, K, q.data() + r * K);
+  }
+  Rows rows(int64_t r0 = 0) const {
+    return Rows{x, ldx, b.data(), q.data(), s.data(), slack > 0}.offset(r0, K);
+  }
+};
+
+// out [M, N] (row stride ldo) = in [M, K] @ w, one of a phase's GEMMs
+struct GemmJob {
+  Packed w;
+  Rows in;
+  int64_t M, K, N;
+  float* out;
+  int64_t ldo;
+};
+
+// A member's share of a phase's GEMMs: one contiguous run of (GEMM, column block) units of equal total cost
+// (a unit costs its rows plus ROW_COST_OF_BLOCK for reading its weights), in job order, so that a thread reads
+// each weight front to back. Every output column is computed the same way whichever member computes it.
+void run_jobs(const GemmJob* jobs, int64_t n, const Member& me) {
+  constexpr int64_t ROW_COST_OF_BLOCK = 8;
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += (jobs[i].M + ROW_COST_OF_BLOCK) * ((jobs[i].N + NB - 1) / NB);
+  const int64_t lo = me.lo(total), hi = me.hi(total);
+  int64_t before = 0;
+  for (int64_t i = 0; i < n && before < hi; ++i) {
+    const GemmJob& j = jobs[i];
+    const int64_t unit = j.M + ROW_COST_OF_BLOCK, nblocks = (j.N + NB - 1) / NB, end = before + unit * nblocks;
+    if (end > lo && j.M > 0) {  // units b with lo <= before + b * unit < hi
+      const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);
+      const int64_t b1 = std::min<int64_t>(nblocks, (hi - before + unit - 1) / unit);
+      if (b0 < b1) gemm_blocks(j.w, j.in, j.M, j.K, j.N, j.out, j.ldo, b0, b1);
+    }
+    before = end;
+  }
+}
+
+// token t's routed terms in expert order (model/moe.py's sum), plus its shared experts' row ys (null: none):
+// moe_chunk's weighted sum, then the in-place add of the layer-by-layer forward
+void combine_token(int64_t t, int64_t top_k, const int64_t* ids, const float* wts, const int64_t* row_of,
+                   const float* y, const float* ys, int64_t H, float* o) {
+  std::pair<int64_t, int64_t> terms[64];
+  int64_t n = 0;
+  for (int64_t j = 0; j < top_k; ++j) terms[n++] = {ids[t * top_k + j], t * top_k + j};
+  std::sort(terms, terms + n);
+  if (n == 0) std::fill_n(o, H, 0.f);
+  for (int64_t i = 0; i < n; ++i) (i ? axpy : axpy_to_zero)(wts[terms[i].second], y + row_of[terms[i].second] * H, o, H);
+  if (ys)
+    for (int64_t i = 0; i < H; ++i) o[i] += ys[t * H + i];
+}
+
+}  // namespace
+
+namespace {
+
+// Whether every packed weight of latent_decode_layers' list has one layout (the activations are converted
+// once for all the weights that read them): float32 / bf16 blocks, bf16 pairs, or int8
+bool uniform_layout(at::TensorList weights) {
+  constexpr int64_t PER_LAYER = 16;
+  int kind = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(weights.size()); ++i) {
+    const int64_t slot = i % PER_LAYER;
+    const bool packed = slot == 1 || slot == 3 || slot == 4 || slot == 8 || slot >= 12;
+    if (!packed || weights[i].numel() == 0) continue;
+    const int k = is_int8(weights[i]) ? 2 : is_bf16_pairs(weights[i]) ? 1 : 0;
+    if (kind >= 0 && k != kind) return false;
+    kind = k;
+  }
+  return true;
+}
+
+// latent_decode_layers on a float32 latent cache: the whole step in one parallel region (Team). Each layer is
+// a dozen phases between barriers: row phases (norms, RoPE and the cache write, routing, SiLU, the weighted
+// sum), each member its share of the rows; GEMM phases, each member its share of the column blocks of all
+// the phase's GEMMs (q_a with kv_a; every expert hit with the shared experts); the attention, each member
+// its share of (sequence, group of heads). The kernels are the layer-by-layer forward's, so the bits are.
+at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
+                              const std::vector<std::vector<at::Tensor>>& planes, const float* cosp, const float* sinp,
+                              const int64_t* sbp, const int64_t* sop, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims,
+                              int64_t qa, double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
+                              int64_t topk_group, double routed_scaling) {
+  constexpr int64_t PER_LAYER = 16;
+  const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
+  const int64_t L = static_cast<int64_t>(planes.size()), H = x_.size(1), T = x_.size(0);
+  const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk, HV = heads * vd;
+  const bool lora = qa > 0;
+  // every check before the region: shapes, dtypes, slots
+  int64_t E = 0, I = 0, Is = 0, Id = 0;  // routed experts, their width; the shared experts' and dense layers' width
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * PER_LAYER;
+    for (int64_t i : {0, 5, 9}) check_f32(w[i], "norm weight");
+    TORCH_CHECK(w[0].numel() == H && w[5].numel() == rank && w[9].numel() == H, "norm weights");
+    if (lora) {
+      check_f32(w[2], "q_a norm");
+      TORCH_CHECK(w[2].numel() == qa, "q_a norm");
+      check_packed(w[1], H, qa);
+      check_packed(w[3], qa, Q);
+    } else {
+      check_packed(w[3], H, Q);
+    }
+    check_packed(w[4], H, W);
+    check_f32(w[6], "w_uk");
+    check_f32(w[7], "w_uv");
+    TORCH_CHECK(w[6].is_contiguous() && w[7].is_contiguous() && w[6].numel() == heads * nope * rank &&
+                    w[7].numel() == heads * rank * vd, "W_uk / W_uv shapes");
+    check_packed(w[8], HV, H);
+    const auto& first = planes[l][0];
+    TORCH_CHECK(first.sizes() == planes[0][0].sizes() && first.scalar_type() == at::kFloat, "latent planes");
+    if (w[10].numel() > 0) {
+      check_f32(w[10], "router");
+      check_f32(w[11], "correction bias");
+      TORCH_CHECK(w[10].dim() == 2 && w[10].size(0) == H && w[10].is_contiguous() && w[11].is_contiguous() &&
+                      w[12].dim() == 4 && w[13].dim() == 4 && w[12].size(0) == w[10].size(1) &&
+                      w[13].size(0) == w[10].size(1) && top_k <= 64,
+                  "router [H, E], experts [E, ...], top_k <= 64");
+      TORCH_CHECK(E == 0 || (E == w[10].size(1) && I == packed_k(w[13])), "every MoE layer alike");
+      E = w[10].size(1);
+      I = packed_k(w[13]);
+      check_grouping(E, top_k, n_group, topk_group, w[11].numel());
+      check_packed(w[12][0], H, 2 * I);
+      check_packed(w[13][0], I, H);
+      if (w[14].numel() > 0) {
+        TORCH_CHECK(Is == 0 || Is == packed_k(w[15]), "every MoE layer alike");
+        Is = packed_k(w[15]);
+        check_packed(w[14], H, 2 * Is);
+        check_packed(w[15], Is, H);
+      }
+    } else {
+      TORCH_CHECK(Id == 0 || Id == packed_k(w[13]), "every dense layer alike");
+      Id = packed_k(w[13]);
+      check_packed(w[12], H, 2 * packed_k(w[13]));
+      check_packed(w[13], packed_k(w[13]), H);
+    }
+  }
+  TORCH_CHECK(!is_bf16_pairs(weights[lora ? 1 : 3]) ||
+                  (H % 2 == 0 && qa % 2 == 0 && HV % 2 == 0 && I % 2 == 0 && Is % 2 == 0 && Id % 2 == 0),
+              "even widths (the bf16-pair layout)");
+  check_f32(final_norm, "final norm");
+  TORCH_CHECK(final_norm.numel() == H, "final norm");
+  const int64_t num_blocks = planes[0][0].size(1), bs = planes[0][0].size(2);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sbp[t] >= 0 && sbp[t] < num_blocks && sop[t] >= 0 && sop[t] < bs, "slot out of range");
+  std::vector<at::Tensor> keep;
+  const LatentRows lr0 = latent_rows_of(planes[0][0], planes[0][1], block_tables, context_lens, rank, 0, scale, keep);
+  const int64_t groups = latent_head_groups(T, heads), per = (heads + groups - 1) / groups;
+
+  // the step's activations (raw rows, shared by the members)
+  const int64_t A = T * top_k;  // routed rows at most
+  const int64_t Iw = std::max(Is, Id);
+  std::vector<float> buf(T * (H + 2 * qa + 2 * Q + 2 * W + rank + HV + 3 * H + Iw * 2 + H) + A * (H + 2 * I + H) +
+                         T * (E + top_k));
+  float* hp = buf.data();  // the normalised input [T, H]
+  float *qa_raw = hp + T * H, *qa_n = qa_raw + T * qa, *qp = qa_n + T * qa, *lat = qp + T * Q, *cp = lat + T * W,
+        *qrot = cp + T * rank, *rows = qrot + T * Q, *att = rows + T * W, *op = att + T * HV, *h2 = op + T * H,
+        *xo = h2 + T * H, *hs13 = xo + T * H, *ys = hs13 + T * 2 * Iw, *xs = ys + T * H, *h13 = xs + A * H,
+        *y = h13 + A * 2 * I, *logits = y + A * H, *wts = logits + T * E;
+  std::vector<int64_t> ids(A);
+  auto out = at::empty({T, H}, x_.options());
+  float *xp = x_.data_ptr<float>(), *outp = out.data_ptr<float>();
+  const at::Tensor* w0 = weights.data();
+  const Packed q_in(lora ? w0[1] : w0[3]);  // the layouts (uniform_layout: one for all)
+  Act a_h(hp, H, H, T, q_in), a_qa(qa_n, qa, qa, T, q_in), a_att(att, HV, HV, T, q_in), a_h2(h2, H, H, T, q_in),
+      a_g(xs, H, H, A, q_in), a_hr(h13, 2 * I, I, A, q_in), a_hs(hs13, 2 * Iw, Is, T, q_in),
+      a_hd(hs13, 2 * Iw, Id, T, q_in);  // (the shared experts' and a dense layer's hidden rows share a buffer)
+  std::vector<float*> first(L), second(L);
+  for (int64_t l = 0; l < L; ++l) {
+    first[l] = planes[l][0].data_ptr<float>();
+    second[l] = planes[l][1].data_ptr<float>();
+  }
+
+  run_team([&](Member& me) {
+    const int64_t t0 = me.lo(T), t1 = me.hi(T), n = t1 - t0;
+    std::vector<float> scores, query(per * W), attn(per * rank);
+    std::vector<int64_t> start(E + 1), row_of(A), token_of(A), fill(E);
+    std::vector<GemmJob> jobs;
+    const float* ysp = nullptr;  // the previous layer's shared experts' rows (null: none)
+    bool routed = false;         // whether the previous layer's MLP was routed (its sum is still to do)
+    auto finish_mlp = [&]() {   // the previous layer's MLP output, rows [t0, t1), into xo
+      if (routed)
+        for (int64_t t = t0; t < t1; ++t) combine_token(t, top_k, ids.data(), wts, row_of.data(), y, ysp, H, xo + t * H);
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = weights.data() + l * PER_LAYER;
+      // the input norm (the first layer: of the embeddings, which start the residual stream)
+      if (l == 0) {
+        rms_norm_rows(xp + t0 * H, H, n, H, w[0].data_ptr<float>(), eps, hp + t0 * H, H);
+      } else {
+        finish_mlp();
+        add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, w[0].data_ptr<float>(), eps, hp + t0 * H);
+      }
+      a_h.fill(t0, t1);
+      me.sync();
+      jobs.clear();
+      if (lora)
+        jobs.push_back({Packed(w[1]), a_h.rows(), T, a_h.K, qa, qa_raw, qa});
+      else
+        jobs.push_back({Packed(w[3]), a_h.rows(), T, a_h.K, Q, qp, Q});
+      jobs.push_back({Packed(w[4]), a_h.rows(), T, a_h.K, W, lat, W});
+      run_jobs(jobs.data(), jobs.size(), me);
+      me.sync();
+      rms_norm_rows(lat + t0 * W, W, n, rank, w[5].data_ptr<float>(), eps, cp + t0 * rank, rank);
+      if (lora) {
+        rms_norm_rows(qa_raw + t0 * qa, qa, n, qa, w[2].data_ptr<float>(), eps, qa_n + t0 * qa, qa);
+        a_qa.fill(t0, t1);
+        me.sync();
+        const GemmJob q_b{Packed(w[3]), a_qa.rows(), T, a_qa.K, Q, qp, Q};
+        run_jobs(&q_b, 1, me);
+        me.sync();
+      }
+      latent_rope_store_rows(qp + t0 * Q, lat + t0 * W, cp + t0 * rank, cosp + t0 * rope, sinp + t0 * rope, n, heads, qk,
+                             rank, rope, first[l], second[l], false, num_blocks, bs, sbp + t0, sop + t0,
+                             qrot + t0 * Q, rows + t0 * W);
+      me.sync();
+      // the absorbed attention (latent_decode_rows), a member's share of (sequence, group of heads)
+      LatentRows lr = lr0;
+      lr.p0 = first[l];
+      lr.p1 = second[l];
+      const float *uk = w[6].data_ptr<float>(), *uv = w[7].data_ptr<float>();
+      for (int64_t item = me.lo(T * groups); item < me.hi(T * groups); ++item)
+        latent_decode_item(qrot, heads, qk, nope, vd, uk, uv, lr, item, groups, per, query, attn, scores, att);
+      me.sync();
+      if (a_att.pairs || a_att.i8) {
+        a_att.fill(t0, t1);
+        me.sync();
+      }
+      const GemmJob o{Packed(w[8]), a_att.rows(), T, a_att.K, H, op, H};
+      run_jobs(&o, 1, me);
+      me.sync();
+      // the post-attention norm; routing
+      add_rms_norm_rows(op + t0 * H, xp + t0 * H, n, H, w[9].data_ptr<float>(), eps, h2 + t0 * H);
+      a_h2.fill(t0, t1);
+      const bool moe = w[10].numel() > 0, shared = moe && w[14].numel() > 0;
+      if (moe) {
+        router_logits_rows(h2, t0, t1, H, w[10].data_ptr<float>(), E, logits);
+        grouped_topk_rows(logits, t0, t1, E, w[11].data_ptr<float>(), top_k, renormalize, n_group, topk_group,
+                          routed_scaling, wts, ids.data());
+      }
+      me.sync();
+      jobs.clear();
+      int64_t total = 0;
+      if (moe) {  // every member groups the assignments by expert (moe_chunk's order), then gathers its share
+        std::fill(start.begin(), start.end(), 0);
+        for (int64_t a = 0; a < A; ++a) ++start[ids[a] + 1];
+        for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+        std::copy(start.begin(), start.end() - 1, fill.begin());
+        for (int64_t a = 0; a < A; ++a) {
+          row_of[a] = fill[ids[a]]++;
+          token_of[row_of[a]] = a / top_k;
+        }
+        total = A;
+        for (int64_t r = me.lo(total); r < me.hi(total); ++r) std::copy_n(h2 + token_of[r] * H, H, xs + r * H);
+        a_g.fill(me.lo(total), me.hi(total));
+        me.sync();
+        for (int64_t e = 0; e < E; ++e)
+          if (start[e + 1] > start[e])
+            jobs.push_back({Packed(w[12], e), a_g.rows(start[e]), start[e + 1] - start[e], H, 2 * I, h13 + start[e] * 2 * I,
+                            2 * I});
+      }
+      const int64_t In = moe ? Is : packed_k(w[13]);  // the shared experts' or the dense MLP's width
+      if (!moe || shared) jobs.push_back({Packed(moe ? w[14] : w[12]), a_h2.rows(), T, H, 2 * In, hs13, 2 * Iw});
+      run_jobs(jobs.data(), jobs.size(), me);
+      me.sync();
+      // SiLU * up of every routed row, then of the shared / dense rows
+      const int64_t extra = (!moe || shared) ? T : 0;
+      for (int64_t r = me.lo(total + extra); r < me.hi(total + extra); ++r) {
+        if (r < total) {
+          silu_mul(h13 + r * 2 * I, I);
+          a_hr.fill(r, r + 1);
+        } else {
+          silu_mul(hs13 + (r - total) * 2 * Iw, In);
+          (moe ? a_hs : a_hd).fill(r - total, r - total + 1);
+        }
+      }
+      me.sync();
+      jobs.clear();
+      if (moe)
+        for (int64_t e = 0; e < E; ++e)
+          if (start[e + 1] > start[e])
+            jobs.push_back({Packed(w[13], e), a_hr.rows(start[e]), start[e + 1] - start[e], I, H, y + start[e] * H, H});
+      if (!moe || shared) jobs.push_back({Packed(moe ? w[15] : w[13]), (moe ? a_hs : a_hd).rows(), T, In, H, moe ? ys : xo, H});
+      run_jobs(jobs.data(), jobs.size(), me);
+      me.sync();
+      routed = moe;
+      ysp = shared ? ys : nullptr;
+    }
+    finish_mlp();
+    add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, final_norm.data_ptr<float>(), eps, outp + t0 * H);
+  });
+  return out;
 }
 
 }  // namespace
@@ -1693,6 +2176,9 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   auto h = at::empty({T, H}, x_.options());  // the post-attention norm's output, which the MLP ops take
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
+  if (planes[0][0].scalar_type() == at::kFloat && uniform_layout(weights))
+    return latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm, dims,
+                              qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling);
   at::Tensor x = x_, residual = x_;  // (the residual stream starts as the input, added to in place)
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
@@ -1727,11 +2213,11 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
     gemm(att, heads * vd, T, heads * vd, w[8], H, op, H);
     add_rms_norm_rows(op, residual.data_ptr<float>(), T, H, w[9].data_ptr<float>(), eps, h.data_ptr<float>());
     if (w[10].numel() > 0) {
-      auto [top, ids] = grouped_topk(at::mm(h, w[10]), w[11], top_k, renormalize, n_group, topk_group, routed_scaling);
+      auto [top, ids] = grouped_route(h, w[10], w[11], top_k, renormalize, n_group, topk_group, routed_scaling);
       x = moe_experts(h, ids, top, w[12], w[13], 0);
-      if (w[14].numel() > 0) x.add_(gated_mlp(h, w[14], w[15], H));
+      if (w[14].numel() > 0) x.add_(gated_mlp(h, w[14], w[15]));
     } else {
-      x = gated_mlp(h, w[12], w[13], H);
+      x = gated_mlp(h, w[12], w[13]);
     }
   }
   return add_rms_norm(x, residual, final_norm, eps);
@@ -1775,6 +2261,10 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       "latent_decode(Tensor q, Tensor w_uk, Tensor w_uv, Tensor first, Tensor second, Tensor block_tables, "
       "Tensor context_lens, float scale, int skip=0) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int first_expert) -> Tensor");
+  m.def("gated_mlp(Tensor x, Tensor w13, Tensor w2) -> Tensor");
+  m.def(
+      "grouped_route(Tensor x, Tensor router, Tensor bias, int top_k, bool renormalize, int n_group, int topk_group, "
+      "float scaling) -> (Tensor, Tensor)");
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, Tensor slot_blocks, "
       "Tensor slot_offsets, Tensor block_tables, Tensor context_lens, Tensor final_norm, int num_heads, float eps, "
@@ -1796,5 +2286,7 @@ TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
   m.impl("latent_rope_store", &latent_rope_store);
   m.impl("grouped_topk", &grouped_topk);
   m.impl("moe_experts", &moe_experts);
+  m.impl("gated_mlp", &gated_mlp);
+  m.impl("grouped_route", &grouped_route);
   m.impl("decode_layers", &decode_layers);
 }

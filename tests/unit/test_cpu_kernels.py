@@ -289,6 +289,64 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
     assert torch.equal(kv_fused, kv)  # the same K/V written to the same slots
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "seqs", "threads", "quantization", "kv_dtype"),
+    [
+        ("tiny_deepseek_dir", 1, 2, None, torch.float32),
+        ("tiny_deepseek_nolora_dir", 3, 3, None, torch.float32),
+        ("tiny_deepseek_dir", 3, 1, None, torch.float32),
+        ("tiny_deepseek_dir", 2, 2, "int8", torch.float32),
+        ("tiny_deepseek_dir", 2, 2, None, torch.int8),
+    ],
+)
+def test_latent_decode_step_equals_the_layer_by_layer_forward(
+    request, checkpoint, seqs, threads, quantization, kv_dtype
+):
+    """latent_decode_layers runs a float32-cache step in one parallel region (its members meet at barriers)
+    and an int8-cache step op by op: both give bit for bit what the Python forward gives, for one sequence
+    or several (groups of heads and rows split unevenly), on 1-3 threads, with int8 weights."""
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.attention import AttentionMetadata, PrefillChunk
+    from kvferry.model.loader import load_model
+
+    model = load_model(request.getfixturevalue(checkpoint), torch.float32)
+    assert model.pack_weights(quantization) and model.decode_weights
+    cfg, bs = model.cfg, 16
+    shape = (cfg.num_layers, 2, cfg.num_kv_heads, 12, bs, kv_row_width(cfg.kv_cache_dim, kv_dtype))
+    kv = torch.zeros(shape, dtype=kv_dtype)
+    lens = [21, 40, 7][:seqs]
+    tables = [[0, 1], [2, 3, 4], [5]][:seqs]
+    for n, table in zip(lens, tables, strict=True):
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=GEN)
+        chunk = PrefillChunk(0, n, n, torch.tensor(table))
+        meta = AttentionMetadata.build(
+            [table[p // bs] for p in range(n)], [p % bs for p in range(n)], [], [], [chunk], kv.device
+        )
+        model(ids, torch.arange(n), kv, meta)
+    step_ids, positions = torch.tensor([5, 77, 300][:seqs]), torch.tensor(lens)
+    meta = AttentionMetadata.build(
+        [t[n // bs] for n, t in zip(lens, tables, strict=True)],
+        [n % bs for n in lens],
+        tables,
+        [n + 1 for n in lens],
+        [],
+        kv.device,
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv_fused = kv.clone()
+        fused = model(step_ids, positions, kv_fused, meta)
+        weights, model.decode_weights = model.decode_weights, []
+        layered = model(step_ids, positions, kv, meta)
+        model.decode_weights = weights
+    finally:
+        torch.set_num_threads(before)
+    assert fused.isfinite().all() and fused.abs().max() > 0
+    assert torch.equal(fused, layered)
+    assert torch.equal(kv_fused, kv)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pool_layout_matches_the_engines_kv_cache(tiny_model_dir, make_engine, dtype):
     """The launcher sizes the pool's blocks by the same rule the engine picks its KV dtype with (float32
@@ -411,19 +469,38 @@ def test_latent_decode_attention_on_the_avx2_build():
     assert "avx2 latent ok" in done.stdout
 
 
-@pytest.mark.parametrize(("experts", "groups", "kept", "k"), [(8, 4, 2, 2), (6, 1, 1, 3), (16, 4, 1, 4)])
+@pytest.mark.parametrize(
+    ("experts", "groups", "kept", "k"), [(8, 4, 2, 2), (6, 1, 1, 3), (16, 4, 1, 4), (72, 8, 3, 6)]
+)
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_grouped_topk(experts, groups, kept, k, renormalize):
-    """The C++ noaux_tc routing chooses the experts `moe.grouped_route` chooses, with its weights."""
+@pytest.mark.parametrize("logits_inside", [False, True])
+def test_grouped_topk(experts, groups, kept, k, renormalize, logits_inside):
+    """The C++ noaux_tc routing chooses the experts `moe.grouped_route` chooses, with its weights; from the
+    router's logits (grouped_topk) or from the tokens and the router (grouped_route: its own logits, in
+    column runs of 32, 8 and 1 for 72 experts)."""
     from kvferry.model.moe import Gating, grouped_route
 
     gating = Gating(k, renormalize, True, groups, kept, 2.5)
     x, router, bias = randn(37, 24), randn(24, experts), randn(experts) * 0.3
     want_w, want_ids = grouped_route(x, router, bias, gating)
-    got_w, got_ids = cpu.ops().grouped_topk(x @ router, bias, k, renormalize, groups, kept, 2.5)
+    if logits_inside:
+        got_w, got_ids = cpu.ops().grouped_route(x, router, bias, k, renormalize, groups, kept, 2.5)
+    else:
+        got_w, got_ids = cpu.ops().grouped_topk(x @ router, bias, k, renormalize, groups, kept, 2.5)
     order_w, order_g = want_ids.sort(-1).indices, got_ids.sort(-1).indices
     assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g))
     torch.testing.assert_close(got_w.gather(1, order_g), want_w.gather(1, order_w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+@pytest.mark.parametrize("inter", [64, 40])
+def test_gated_mlp(tokens, inter):
+    """The dense gated MLP in one call (the dense layers and shared experts under the kernels) against
+    silu(x W_gate) * (x W_up) W_2."""
+    x, w13, w2 = randn(tokens, 48), randn(48, 2 * inter) * 0.2, randn(inter, 48) * 0.2
+    out = cpu.ops().gated_mlp(x, pack(w13), pack(w2))
+    gate, up = (x @ w13).chunk(2, -1)
+    torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up) @ w2, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("int8", [False, True])
