@@ -280,6 +280,9 @@ class ModelRunner:
             self._mtp_inputs(step, meta) if self.model.mtp is not None and step.mtp_prev else None,
         )
         self.hidden = hidden if self.model.mtp is not None else None
-        if not step.sample_rows:
+        rows = step.sample_rows
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[step.sample_rows])
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decodes)
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[rows])

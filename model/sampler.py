@@ -172,10 +172,18 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.
     return processed
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest value (the first of equal ones; a NaN counts as the largest), as
+    `argmax(-1)` gives it. A float32 CPU tensor goes through NumPy: ~4 us a decode step against ATen's ~20."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
     """logits: [N, V] float32, one row per SampleRow. Returns one Sampled per row."""
     processed = controlled_logits(logits, rows)
-    greedy = processed.argmax(dim=-1).tolist()
+    greedy = argmax_rows(processed)
     tokens = []
     for i, row in enumerate(rows):
         spec, gen = row.spec, row.generator
@@ -212,7 +220,7 @@ def speculative_sample(
     spec, gen = rows[0].spec, rows[0].generator
     tokens: list[int] = []
     if spec.greedy:
-        best = processed.argmax(dim=-1).tolist()
+        best = argmax_rows(processed)
         for j in range(k + 1):
             tokens.append(best[j])
             if j == k or best[j] != drafts[j]:

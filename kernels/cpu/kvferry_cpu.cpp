@@ -30,6 +30,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <cmath>
 #include <numeric>
@@ -1757,22 +1758,37 @@ namespace {
 // The threads of one parallel region, meeting at barriers between the phases of a decode step. A parallel
 // region is a fork and a join (1-2 us each on a 2-core VM while the threads spin, 5-13 us after a pause of a
 // few hundred us) and the layer-by-layer step opened about fifteen a layer; a barrier here costs ~0.25 us.
-// A member that waits spins a while, then sleeps on a futex (a peer whose core another process holds must
-// not be kept from it by a spinning member: OMP_WAIT_POLICY=PASSIVE, the shared placement's, spins least).
-// Nothing inside a region may throw: every check runs before it.
+// A member that waits spins a while, then yields its core between looks, then sleeps on a futex: a peer
+// whose core another process holds gets it back (OMP_WAIT_POLICY=PASSIVE, the shared placement's, spins
+// least). An exception in a member (a failed allocation, oneDNN's microkernel) fails the team: the others
+// leave at their next barrier, and run_team rethrows it after the region.
 struct Team {
   std::atomic<int32_t> count{0}, generation{0}, sleepers{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // the first member's exception (written by the member that set `failed`)
 };
 
-// how long a member spins at a barrier before it sleeps: longer than any phase of a step lasts, so that a
-// step's members never pay a futex wake-up (tens of microseconds on a VM) while both have their cores
-inline std::chrono::nanoseconds barrier_spin() {
-  static const std::chrono::nanoseconds spin = [] {
+struct TeamFailed {};  // how the other members leave a failed team
+
+// how long a member waits at a barrier before it sleeps: longer than any phase of a step lasts, so that a
+// step's members never pay a futex wake-up (tens of microseconds on a VM) while both have their cores; the
+// first part spinning, the rest yielding between looks
+struct BarrierWait {
+  std::chrono::nanoseconds spin, total;
+};
+
+inline BarrierWait barrier_wait() {
+  static const BarrierWait wait = [] {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
     const bool passive = policy && (std::string(policy) == "PASSIVE" || std::string(policy) == "passive");
-    return std::chrono::nanoseconds(passive ? 20'000 : 500'000);
+    using ns = std::chrono::nanoseconds;
+    return passive ? BarrierWait{ns(5'000), ns(20'000)} : BarrierWait{ns(100'000), ns(500'000)};
   }();
-  return spin;
+  return wait;
+}
+
+inline void futex(std::atomic<int32_t>& word, int op, int32_t value) {
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), op, value, nullptr, nullptr, 0);
 }
 
 struct Member {
@@ -1784,31 +1800,34 @@ struct Member {
     if (team->count.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {  // the last one in lets the others go
       team->count.store(0, std::memory_order_relaxed);
       team->generation.store(gen + 1, std::memory_order_seq_cst);
-      if (team->sleepers.load(std::memory_order_seq_cst) > 0)
-        syscall(SYS_futex, reinterpret_cast<int32_t*>(&team->generation), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
-                nullptr, 0);
+      if (team->sleepers.load(std::memory_order_seq_cst) > 0) futex(team->generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
       return;
     }
     const auto since = std::chrono::steady_clock::now();
-    bool spinning = true;
+    const BarrierWait wait = barrier_wait();
+    auto waited = std::chrono::nanoseconds(0);
     for (int64_t i = 1; team->generation.load(std::memory_order_acquire) == gen; ++i) {
-      if (spinning) {
+      if (team->failed.load(std::memory_order_acquire)) throw TeamFailed{};
+      if (i % 64 == 0) waited = std::chrono::steady_clock::now() - since;
+      if (waited < wait.spin) {
         _mm_pause();
-        if (i % 64 == 0) spinning = std::chrono::steady_clock::now() - since < barrier_spin();
-        continue;
+      } else if (waited < wait.total) {
+        std::this_thread::yield();
+        waited = std::chrono::steady_clock::now() - since;
+      } else {
+        team->sleepers.fetch_add(1, std::memory_order_seq_cst);
+        if (team->generation.load(std::memory_order_seq_cst) == gen) futex(team->generation, FUTEX_WAIT_PRIVATE, gen);
+        team->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       }
-      team->sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (team->generation.load(std::memory_order_seq_cst) == gen)
-        syscall(SYS_futex, reinterpret_cast<int32_t*>(&team->generation), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr,
-                0);
-      team->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
+    if (team->failed.load(std::memory_order_acquire)) throw TeamFailed{};
   }
   int64_t lo(int64_t n) const { return n * tid / nt; }  // this member's share [lo, hi) of n items
   int64_t hi(int64_t n) const { return n * (tid + 1) / nt; }
 };
 
-// body(member) on each of at::get_num_threads() threads (one, inside another parallel region)
+// body(member) on each of at::get_num_threads() threads (one, inside another parallel region); an exception
+// of any member is rethrown here, after every member has left
 template <typename F>
 void run_team(F&& body) {
   Team team;
@@ -1816,8 +1835,16 @@ void run_team(F&& body) {
 #pragma omp parallel num_threads(want)
   {
     Member me{&team, omp_get_thread_num(), omp_get_num_threads()};
-    body(me);
+    try {
+      body(me);
+    } catch (const TeamFailed&) {
+    } catch (...) {
+      if (!team.failed.exchange(true)) team.error = std::current_exception();
+      team.generation.fetch_add(1, std::memory_order_seq_cst);  // wakes the members asleep at a barrier
+      futex(team.generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
+    }
   }
+  if (team.error) std::rethrow_exception(team.error);
 }
 
 // An activation in the layout of the packed weights that read it: float32 rows (x, row stride ldx), and for
@@ -1898,9 +1925,13 @@ void combine_token(int64_t t, int64_t top_k, const int64_t* ids, const float* wt
 
 namespace {
 
-// Whether every packed weight of latent_decode_layers' list has one layout (the activations are converted
-// once for all the weights that read them): float32 / bf16 blocks, bf16 pairs, or int8
-bool uniform_layout(at::TensorList weights) {
+// Whether latent_layers_team serves latent_decode_layers' weights (else the step runs op by op): every
+// packed weight of one layout (the activations are converted once for all the weights that read them:
+// float32 / bf16 blocks, bf16 pairs where this build has the bf16 dot product, or int8), every MoE layer of
+// one shape (router [H, E] and correction bias contiguous float32, routed and shared widths), every dense
+// layer of one width, at most 64 experts a token
+bool team_serves(at::TensorList weights, int64_t top_k) {
+  if (top_k > 64) return false;
   constexpr int64_t PER_LAYER = 16;
   int kind = -1;
   for (int64_t i = 0; i < static_cast<int64_t>(weights.size()); ++i) {
@@ -1910,6 +1941,23 @@ bool uniform_layout(at::TensorList weights) {
     const int k = is_int8(weights[i]) ? 2 : is_bf16_pairs(weights[i]) ? 1 : 0;
     if (kind >= 0 && k != kind) return false;
     kind = k;
+  }
+  if (kind == 1 && !has_bf16_dot()) return false;
+  std::vector<int64_t> moe_shape, dense_width;
+  for (int64_t l = 0; l < static_cast<int64_t>(weights.size()) / PER_LAYER; ++l) {
+    const at::Tensor* w = weights.data() + l * PER_LAYER;
+    if (w[10].numel() > 0) {
+      const bool ok = w[10].scalar_type() == at::kFloat && w[11].scalar_type() == at::kFloat && w[10].dim() == 2 &&
+                      w[10].is_contiguous() && w[11].is_contiguous() && w[12].dim() == 4 && w[13].dim() == 4;
+      if (!ok) return false;
+      const std::vector<int64_t> shape{w[10].size(1), packed_k(w[13]), w[14].numel() > 0 ? packed_k(w[15]) : 0};
+      if (!moe_shape.empty() && shape != moe_shape) return false;
+      moe_shape = shape;
+    } else {
+      const std::vector<int64_t> width{packed_k(w[13])};
+      if (!dense_width.empty() && width != dense_width) return false;
+      dense_width = width;
+    }
   }
   return true;
 }
@@ -1955,31 +2003,25 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
     if (w[10].numel() > 0) {
       check_f32(w[10], "router");
       check_f32(w[11], "correction bias");
-      TORCH_CHECK(w[10].dim() == 2 && w[10].size(0) == H && w[10].is_contiguous() && w[11].is_contiguous() &&
-                      w[12].dim() == 4 && w[13].dim() == 4 && w[12].size(0) == w[10].size(1) &&
-                      w[13].size(0) == w[10].size(1) && top_k <= 64,
-                  "router [H, E], experts [E, ...], top_k <= 64");
-      TORCH_CHECK(E == 0 || (E == w[10].size(1) && I == packed_k(w[13])), "every MoE layer alike");
+      TORCH_CHECK(w[10].size(0) == H && w[12].size(0) == w[10].size(1) && w[13].size(0) == w[10].size(1),
+                  "router [H, E], experts [E, ...]");
       E = w[10].size(1);
       I = packed_k(w[13]);
       check_grouping(E, top_k, n_group, topk_group, w[11].numel());
       check_packed(w[12][0], H, 2 * I);
       check_packed(w[13][0], I, H);
       if (w[14].numel() > 0) {
-        TORCH_CHECK(Is == 0 || Is == packed_k(w[15]), "every MoE layer alike");
         Is = packed_k(w[15]);
         check_packed(w[14], H, 2 * Is);
         check_packed(w[15], Is, H);
       }
     } else {
-      TORCH_CHECK(Id == 0 || Id == packed_k(w[13]), "every dense layer alike");
       Id = packed_k(w[13]);
       check_packed(w[12], H, 2 * packed_k(w[13]));
       check_packed(w[13], packed_k(w[13]), H);
     }
   }
-  TORCH_CHECK(!is_bf16_pairs(weights[lora ? 1 : 3]) ||
-                  (H % 2 == 0 && qa % 2 == 0 && HV % 2 == 0 && I % 2 == 0 && Is % 2 == 0 && Id % 2 == 0),
+  TORCH_CHECK(!is_bf16_pairs(weights[lora ? 1 : 3]) || (H % 2 == 0 && qa % 2 == 0 && HV % 2 == 0),
               "even widths (the bf16-pair layout)");
   check_f32(final_norm, "final norm");
   TORCH_CHECK(final_norm.numel() == H, "final norm");
@@ -2167,6 +2209,14 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   const int64_t qa = lora ? weights[2].size(0) : 0;
   check_latent_planes(planes[0][0], planes[0][1], W);
   TORCH_CHECK(planes[0][0].size(0) == 1 && cos.size(1) == rope && rope % 2 == 0, "latent planes, rope");
+  TORCH_CHECK(slot_blocks.numel() == T && slot_offsets.numel() == T && context_lens.numel() == T &&
+                  block_tables.dim() == 2 && block_tables.size(0) == T && cos.size(0) == T && sin.sizes() == cos.sizes(),
+              "one slot, context length, block table row and rope row per token");
+  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
+  const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
+  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights, top_k))
+    return latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm, dims,
+                              qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling);
   // the attention's activations, raw rows in one buffer that every layer reuses (the kernels below are the
   // Python forward's, on rows: the same bits without an allocation and a dispatch per op)
   auto work = at::empty({T * (H + 2 * qa + 2 * Q + 2 * W + rank + heads * vd + H)}, x_.options());
@@ -2174,11 +2224,6 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
   float *qa_raw = hp + T * H, *qa_normed = qa_raw + T * qa, *qp = qa_normed + T * qa, *lat = qp + T * Q,
         *cp = lat + T * W, *qrot = cp + T * rank, *rows = qrot + T * Q, *att = rows + T * W, *op = att + T * heads * vd;
   auto h = at::empty({T, H}, x_.options());  // the post-attention norm's output, which the MLP ops take
-  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
-  const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
-  if (planes[0][0].scalar_type() == at::kFloat && uniform_layout(weights))
-    return latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm, dims,
-                              qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling);
   at::Tensor x = x_, residual = x_;  // (the residual stream starts as the input, added to in place)
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;

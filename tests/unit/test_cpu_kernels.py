@@ -290,27 +290,33 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "seqs", "threads", "quantization", "kv_dtype"),
+    ("checkpoint", "seqs", "threads", "quantization", "kv_dtype", "strided_router"),
     [
-        ("tiny_deepseek_dir", 1, 2, None, torch.float32),
-        ("tiny_deepseek_nolora_dir", 3, 3, None, torch.float32),
-        ("tiny_deepseek_dir", 3, 1, None, torch.float32),
-        ("tiny_deepseek_dir", 2, 2, "int8", torch.float32),
-        ("tiny_deepseek_dir", 2, 2, None, torch.int8),
+        ("tiny_deepseek_dir", 1, 2, None, torch.float32, False),
+        ("tiny_deepseek_nolora_dir", 3, 3, None, torch.float32, False),
+        ("tiny_deepseek_dir", 3, 1, None, torch.float32, False),
+        ("tiny_deepseek_dir", 2, 2, "int8", torch.float32, False),
+        ("tiny_deepseek_dir", 2, 2, None, torch.int8, False),
+        ("tiny_deepseek_dir", 2, 2, None, torch.float32, True),
     ],
 )
 def test_latent_decode_step_equals_the_layer_by_layer_forward(
-    request, checkpoint, seqs, threads, quantization, kv_dtype
+    request, checkpoint, seqs, threads, quantization, kv_dtype, strided_router
 ):
     """latent_decode_layers runs a float32-cache step in one parallel region (its members meet at barriers)
-    and an int8-cache step op by op: both give bit for bit what the Python forward gives, for one sequence
-    or several (groups of heads and rows split unevenly), on 1-3 threads, with int8 weights."""
+    and an int8-cache step, or one whose routers are not contiguous, op by op: each gives bit for bit what
+    the Python forward gives, for one sequence or several (groups of heads and rows split unevenly), on 1-3
+    threads, with int8 weights."""
     from kvferry.kernels.int8 import kv_row_width
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
     model = load_model(request.getfixturevalue(checkpoint), torch.float32)
     assert model.pack_weights(quantization) and model.decode_weights
+    if strided_router:  # the same values in a transposed layout (slot 10 of each layer's 16: the router)
+        strided = [w.t().contiguous().t() if w.dim() == 2 else w for w in model.decode_weights[10::16]]
+        model.decode_weights[10::16] = strided
+        assert not model.decode_weights[16 + 10].is_contiguous()
     cfg, bs = model.cfg, 16
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, 12, bs, kv_row_width(cfg.kv_cache_dim, kv_dtype))
     kv = torch.zeros(shape, dtype=kv_dtype)
