@@ -1519,6 +1519,60 @@ at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at
   return out;
 }
 
+namespace {
+
+// A GEMM phase's work split by cost: GEMM i's size(i) = (rows, column blocks) makes that many units, each
+// costing its rows plus ROW_COST_OF_BLOCK (reading its weights). fn(i, b0, b1) for each GEMM's run of units
+// whose cost starts in [lo, hi), in GEMM order: a thread takes one contiguous run and reads each weight front
+// to back (what the hardware prefetchers follow); every output column is computed the same way whoever does.
+constexpr int64_t ROW_COST_OF_BLOCK = 8;
+
+template <typename Size>
+int64_t units_cost(int64_t n, Size&& size) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto [rows, blocks] = size(i);
+    total += (rows + ROW_COST_OF_BLOCK) * blocks;
+  }
+  return total;
+}
+
+template <typename Size, typename Fn>
+void units_in(int64_t n, Size&& size, int64_t lo, int64_t hi, Fn&& fn) {
+  int64_t before = 0;
+  for (int64_t i = 0; i < n && before < hi; ++i) {
+    const auto [rows, blocks] = size(i);
+    const int64_t unit = rows + ROW_COST_OF_BLOCK, end = before + unit * blocks;
+    if (end > lo) {  // units b with lo <= before + b * unit < hi
+      const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);
+      const int64_t b1 = std::min<int64_t>(blocks, (hi - before + unit - 1) / unit);
+      if (b0 < b1) fn(i, b0, b1);
+    }
+    before = end;
+  }
+}
+
+// token t's output o [H]: its local routed terms (row_of >= 0) weighted and added in expert order (model/moe.py's
+// sum; zeros where it has none), then its shared experts' row ys[t] (null: none), as the layer-by-layer
+// forward's in-place add. terms: scratch.
+void combine_token(int64_t t, int64_t top_k, const int64_t* ids, const float* wts, const int64_t* row_of,
+                   const float* y, const float* ys, int64_t H, float* o,
+                   std::vector<std::pair<int64_t, int64_t>>& terms) {
+  terms.clear();  // (expert, assignment)
+  for (int64_t a = t * top_k; a < (t + 1) * top_k; ++a)
+    if (row_of[a] >= 0) terms.emplace_back(ids[a], a);
+  std::sort(terms.begin(), terms.end());
+  if (terms.empty()) std::fill_n(o, H, 0.f);
+  for (size_t i = 0; i < terms.size(); ++i) {
+    const int64_t a = terms[i].second;
+    (i ? axpy : axpy_to_zero)(wts[a], y + row_of[a] * H, o, H);
+  }
+  if (ys)
+    for (int64_t i = 0; i < H; ++i) o[i] += ys[t * H + i];
+}
+
+}  // namespace
+
 // The experts of an MoE layer for the (token, expert) assignments that fall on experts first..first+E-1.
 // x [T, H]; ids, weights [T, k]; w13 packed per expert [E, 2I/16, H, 16] (or bf16 pairs [E, 2I/16, H/2, 32]);
 // w2 [E, H/16, I, 16] (or [E, H/16, I/2, 32]). Returns [T, H] = sum over local assignments of
@@ -1574,33 +1628,16 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     const int64_t r0 = start[e];
     gemm_blocks(Packed(w, e), in.offset(r0, K), start[e + 1] - r0, K, N, dst + r0 * N, N, b0, b1);
   };
-  // Each thread takes one contiguous run of (expert, column block) units in expert order, the runs of equal
-  // cost (a unit costs its expert's rows plus ROW_COST_OF_BLOCK for reading its weights): a thread then reads
-  // each expert's weights front to back (what the hardware prefetchers follow) and its rows stay in cache.
-  // Every output column is computed the same way whichever thread computes it.
+  // each thread one run of (expert, column block) units in expert order, of equal cost (units_in)
   auto over_experts = [&](int64_t N, auto&& fn) {
-    constexpr int64_t ROW_COST_OF_BLOCK = 8;
     const int64_t nblocks = (N + NB - 1) / NB;
-    auto unit_cost = [&](int64_t e) { return start[e + 1] - start[e] + ROW_COST_OF_BLOCK; };
-    int64_t total_cost = 0;
-    for (int64_t e : active) total_cost += unit_cost(e) * nblocks;
+    auto size = [&](int64_t i) { return std::pair{start[active[i] + 1] - start[active[i]], nblocks}; };
+    const int64_t total_cost = units_cost(nact, size);
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nact * nblocks));
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t part = p0; part < p1; ++part) {
-        // this part's cost range [lo, hi): a unit belongs to the part where its cost starts
-        const int64_t lo = total_cost * part / parts, hi = total_cost * (part + 1) / parts;
-        int64_t before = 0;
-        for (int64_t i = 0; i < nact && before < hi; ++i) {
-          const int64_t e = active[i], unit = unit_cost(e);
-          const int64_t end = before + unit * nblocks;
-          if (end > lo) {  // units b with lo <= before + b * unit < hi
-            const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);
-            const int64_t b1 = std::min<int64_t>(nblocks, (hi - before + unit - 1) / unit);
-            if (b0 < b1) fn(e, b0, b1);
-          }
-          before = end;
-        }
-      }
+      for (int64_t part = p0; part < p1; ++part)
+        units_in(nact, size, total_cost * part / parts, total_cost * (part + 1) / parts,
+                 [&](int64_t i, int64_t b0, int64_t b1) { fn(active[i], b0, b1); });
     });
   };
   // int8: a token's row is quantized once, into its first local assignment's row (the scale is per row,
@@ -1653,19 +1690,9 @@ at::Tensor moe_chunk(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   });
   const float* wtp = weights.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<std::pair<int64_t, int64_t>> terms;  // (expert, assignment) of one token
-    for (int64_t t = t0; t < t1; ++t) {
-      terms.clear();
-      for (int64_t j = 0; j < top_k; ++j)
-        if (row_of[t * top_k + j] >= 0) terms.emplace_back(idp[t * top_k + j], t * top_k + j);
-      std::sort(terms.begin(), terms.end());
-      float* o = op + t * H;
-      if (terms.empty()) std::fill_n(o, H, 0.f);
-      for (size_t i = 0; i < terms.size(); ++i) {
-        const auto [e, a] = terms[i];
-        (i ? axpy : axpy_to_zero)(wtp[a], yp + row_of[a] * H, o, H);
-      }
-    }
+    std::vector<std::pair<int64_t, int64_t>> terms;
+    for (int64_t t = t0; t < t1; ++t)
+      combine_token(t, top_k, idp, wtp, row_of.data(), yp, nullptr, H, op + t * H, terms);
   });
   return out;
 }
@@ -1886,39 +1913,14 @@ struct GemmJob {
   int64_t ldo;
 };
 
-// A member's share of a phase's GEMMs: one contiguous run of (GEMM, column block) units of equal total cost
-// (a unit costs its rows plus ROW_COST_OF_BLOCK for reading its weights), in job order, so that a thread reads
-// each weight front to back. Every output column is computed the same way whichever member computes it.
+// A member's share of a phase's GEMMs (units_in: one run of (GEMM, column block) units of equal cost)
 void run_jobs(const GemmJob* jobs, int64_t n, const Member& me) {
-  constexpr int64_t ROW_COST_OF_BLOCK = 8;
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += (jobs[i].M + ROW_COST_OF_BLOCK) * ((jobs[i].N + NB - 1) / NB);
-  const int64_t lo = me.lo(total), hi = me.hi(total);
-  int64_t before = 0;
-  for (int64_t i = 0; i < n && before < hi; ++i) {
+  auto size = [&](int64_t i) { return std::pair{jobs[i].M, (jobs[i].N + NB - 1) / NB}; };
+  const int64_t total = units_cost(n, size);
+  units_in(n, size, me.lo(total), me.hi(total), [&](int64_t i, int64_t b0, int64_t b1) {
     const GemmJob& j = jobs[i];
-    const int64_t unit = j.M + ROW_COST_OF_BLOCK, nblocks = (j.N + NB - 1) / NB, end = before + unit * nblocks;
-    if (end > lo && j.M > 0) {  // units b with lo <= before + b * unit < hi
-      const int64_t b0 = std::max<int64_t>(0, (lo - before + unit - 1) / unit);
-      const int64_t b1 = std::min<int64_t>(nblocks, (hi - before + unit - 1) / unit);
-      if (b0 < b1) gemm_blocks(j.w, j.in, j.M, j.K, j.N, j.out, j.ldo, b0, b1);
-    }
-    before = end;
-  }
-}
-
-// token t's routed terms in expert order (model/moe.py's sum), plus its shared experts' row ys (null: none):
-// moe_chunk's weighted sum, then the in-place add of the layer-by-layer forward
-void combine_token(int64_t t, int64_t top_k, const int64_t* ids, const float* wts, const int64_t* row_of,
-                   const float* y, const float* ys, int64_t H, float* o) {
-  std::pair<int64_t, int64_t> terms[64];
-  int64_t n = 0;
-  for (int64_t j = 0; j < top_k; ++j) terms[n++] = {ids[t * top_k + j], t * top_k + j};
-  std::sort(terms, terms + n);
-  if (n == 0) std::fill_n(o, H, 0.f);
-  for (int64_t i = 0; i < n; ++i) (i ? axpy : axpy_to_zero)(wts[terms[i].second], y + row_of[terms[i].second] * H, o, H);
-  if (ys)
-    for (int64_t i = 0; i < H; ++i) o[i] += ys[t * H + i];
+    if (j.M > 0) gemm_blocks(j.w, j.in, j.M, j.K, j.N, j.out, j.ldo, b0, b1);
+  });
 }
 
 }  // namespace
@@ -1929,9 +1931,8 @@ namespace {
 // packed weight of one layout (the activations are converted once for all the weights that read them:
 // float32 / bf16 blocks, bf16 pairs where this build has the bf16 dot product, or int8), every MoE layer of
 // one shape (router [H, E] and correction bias contiguous float32, routed and shared widths), every dense
-// layer of one width, at most 64 experts a token
-bool team_serves(at::TensorList weights, int64_t top_k) {
-  if (top_k > 64) return false;
+// layer of one width
+bool team_serves(at::TensorList weights) {
   constexpr int64_t PER_LAYER = 16;
   int kind = -1;
   for (int64_t i = 0; i < static_cast<int64_t>(weights.size()); ++i) {
@@ -2061,11 +2062,13 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
     std::vector<float> scores, query(per * W), attn(per * rank);
     std::vector<int64_t> start(E + 1), row_of(A), token_of(A), fill(E);
     std::vector<GemmJob> jobs;
+    std::vector<std::pair<int64_t, int64_t>> terms;
     const float* ysp = nullptr;  // the previous layer's shared experts' rows (null: none)
     bool routed = false;         // whether the previous layer's MLP was routed (its sum is still to do)
     auto finish_mlp = [&]() {   // the previous layer's MLP output, rows [t0, t1), into xo
       if (routed)
-        for (int64_t t = t0; t < t1; ++t) combine_token(t, top_k, ids.data(), wts, row_of.data(), y, ysp, H, xo + t * H);
+        for (int64_t t = t0; t < t1; ++t)
+          combine_token(t, top_k, ids.data(), wts, row_of.data(), y, ysp, H, xo + t * H, terms);
     };
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = weights.data() + l * PER_LAYER;
@@ -2141,8 +2144,8 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
         me.sync();
         for (int64_t e = 0; e < E; ++e)
           if (start[e + 1] > start[e])
-            jobs.push_back({Packed(w[12], e), a_g.rows(start[e]), start[e + 1] - start[e], H, 2 * I, h13 + start[e] * 2 * I,
-                            2 * I});
+            jobs.push_back({Packed(w[12], e), a_g.rows(start[e]), start[e + 1] - start[e], H, 2 * I,
+                            h13 + start[e] * 2 * I, 2 * I});
       }
       const int64_t In = moe ? Is : packed_k(w[13]);  // the shared experts' or the dense MLP's width
       if (!moe || shared) jobs.push_back({Packed(moe ? w[14] : w[12]), a_h2.rows(), T, H, 2 * In, hs13, 2 * Iw});
@@ -2164,8 +2167,10 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       if (moe)
         for (int64_t e = 0; e < E; ++e)
           if (start[e + 1] > start[e])
-            jobs.push_back({Packed(w[13], e), a_hr.rows(start[e]), start[e + 1] - start[e], I, H, y + start[e] * H, H});
-      if (!moe || shared) jobs.push_back({Packed(moe ? w[15] : w[13]), (moe ? a_hs : a_hd).rows(), T, In, H, moe ? ys : xo, H});
+            jobs.push_back(
+                {Packed(w[13], e), a_hr.rows(start[e]), start[e + 1] - start[e], I, H, y + start[e] * H, H});
+      if (!moe || shared)
+        jobs.push_back({Packed(moe ? w[15] : w[13]), (moe ? a_hs : a_hd).rows(), T, In, H, moe ? ys : xo, H});
       run_jobs(jobs.data(), jobs.size(), me);
       me.sync();
       routed = moe;
@@ -2214,7 +2219,7 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
               "one slot, context length, block table row and rope row per token");
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
-  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights, top_k))
+  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights))
     return latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm, dims,
                               qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling);
   // the attention's activations, raw rows in one buffer that every layer reuses (the kernels below are the
