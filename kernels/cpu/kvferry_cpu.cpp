@@ -1818,10 +1818,19 @@ inline void futex(std::atomic<int32_t>& word, int op, int32_t value) {
   syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), op, value, nullptr, nullptr, 0);
 }
 
+// a fault for tests (set_team_fault): member m throws at its sync number s (m * 1024 + s; -1: none), once
+std::atomic<int64_t>& team_fault() {
+  static std::atomic<int64_t> fault{-1};
+  return fault;
+}
+
 struct Member {
   Team* team;
-  int64_t tid, nt;
+  int64_t tid, nt, syncs = 0;
   void sync() {  // wait until every member has finished the phase
+    const int64_t fault = tid * 1024 + syncs++;
+    if (team_fault().load(std::memory_order_relaxed) == fault && team_fault().exchange(-1) == fault)
+      throw std::runtime_error("kvferry_cpu: the team fault set by set_team_fault");
     if (nt == 1) return;
     const int32_t gen = team->generation.load(std::memory_order_acquire);
     if (team->count.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {  // the last one in lets the others go
@@ -2184,6 +2193,12 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
 
 }  // namespace
 
+// tests: the next one-region step's member `member` raises at its barrier number `sync` (-1: no fault)
+void set_team_fault(int64_t member, int64_t sync) {
+  TORCH_CHECK(member < 1024 && sync < 1024, "set_team_fault: member and sync below 1024");
+  team_fault().store(member < 0 || sync < 0 ? -1 : member * 1024 + sync);
+}
+
 // decode_layers for DeepSeek-V3 (latent attention, model/mla.py; grouped routing and shared experts,
 // model/moe.py): the same ATen ops and kernels in the same order as the Python forward. weights: 16 per layer:
 // input norm, packed q_a (empty: no q LoRA), q_a norm (empty), packed q_b (or q), packed kv_a, kv_a norm,
@@ -2283,6 +2298,7 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("int8_act_qmax() -> int", &int8_act_qmax);
   m.def("set_brgemm_min_rows(int rows) -> int", &set_brgemm_min_rows);
   m.def("brgemm_min_rows() -> int", &brgemm_min_rows);
+  m.def("set_team_fault(int member, int sync) -> ()", &set_team_fault);
   m.def("amx_could_pack() -> bool", &amx_could_pack);
   m.def("brgemm_runs() -> bool", &brgemm_runs);
   m.def("brgemm_layout_check() -> int[]", &brgemm_layout_check);

@@ -289,6 +289,14 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
     assert torch.equal(kv_fused, kv)  # the same K/V written to the same slots
 
 
+def decode_meta(lens: list[int], tables: list[list[int]], bs: int):
+    """The metadata of a step of decodes: sequence i's next token at position lens[i], blocks tables[i]."""
+    from kvferry.model.attention import AttentionMetadata
+
+    slots = [t[n // bs] for n, t in zip(lens, tables, strict=True)]
+    return AttentionMetadata.build(slots, [n % bs for n in lens], tables, [n + 1 for n in lens], [], "cpu")
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "seqs", "threads", "quantization", "kv_dtype", "strided_router"),
     [
@@ -330,14 +338,7 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
         )
         model(ids, torch.arange(n), kv, meta)
     step_ids, positions = torch.tensor([5, 77, 300][:seqs]), torch.tensor(lens)
-    meta = AttentionMetadata.build(
-        [t[n // bs] for n, t in zip(lens, tables, strict=True)],
-        [n % bs for n in lens],
-        tables,
-        [n + 1 for n in lens],
-        [],
-        kv.device,
-    )
+    meta = decode_meta(lens, tables, bs)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -351,6 +352,39 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
     assert fused.isfinite().all() and fused.abs().max() > 0
     assert torch.equal(fused, layered)
     assert torch.equal(kv_fused, kv)
+
+
+@pytest.mark.parametrize(("member", "sync", "threads"), [(1, 0, 2), (0, 7, 2), (2, 20, 3), (1, 33, 3)])
+def test_latent_decode_step_error_in_one_member_leaves_the_region(tiny_deepseek_dir, member, sync, threads):
+    """A member of the one-region step that raises (a fault set at one of its barriers) makes every member
+    leave at its next barrier; the call raises that error instead of hanging or ending the process, and the
+    next step runs in a new region, exact."""
+    from kvferry.kernels.cpu import ops as cpu_ops
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.loader import load_model
+
+    model = load_model(tiny_deepseek_dir, torch.float32)
+    assert model.pack_weights() and model.decode_weights
+    cfg, bs = model.cfg, 16
+    width = kv_row_width(cfg.kv_cache_dim, torch.float32)
+    kv = torch.zeros((cfg.num_layers, 2, cfg.num_kv_heads, 8, bs, width))
+    lens, tables = [3, 17, 5], [[0], [1, 2], [3]]
+    meta = decode_meta(lens, tables, bs)
+    step = lambda: model(torch.tensor([5, 77, 300]), torch.tensor(lens), kv, meta)  # noqa: E731
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_ops().set_team_fault(member, sync)
+        with pytest.raises(RuntimeError, match="set_team_fault"):
+            step()
+        fused = step()
+        weights, model.decode_weights = model.decode_weights, []
+        layered = step()
+        model.decode_weights = weights
+    finally:
+        cpu_ops().set_team_fault(-1, -1)
+        torch.set_num_threads(before)
+    assert torch.equal(fused, layered)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
