@@ -102,9 +102,11 @@ class ResumingStream:
             left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
             if self.resumes:  # a router to be reachable again (the next connection may be a moment away)
                 wait = bound if left is None else min(left, bound)
+                ready = grpc.channel_ready_future(self.channel)
                 try:
-                    grpc.channel_ready_future(self.channel).result(timeout=wait)
+                    ready.result(timeout=wait)
                 except grpc.FutureTimeoutError:
+                    ready.cancel()  # (else its thread polls on, and fails once the channel is closed)
                     raise broke from None
             self.call = call = self.stub.Generate(attempt, timeout=left)
             if self.cancelled:
