@@ -106,8 +106,9 @@ class ResumingStream:
                 try:
                     ready.result(timeout=wait)
                 except grpc.FutureTimeoutError:
-                    ready.cancel()  # (else its thread polls on, and fails once the channel is closed)
                     raise broke from None
+                finally:  # (a future left subscribed polls on, and fails once the channel is closed)
+                    ready.cancel()
             self.call = call = self.stub.Generate(attempt, timeout=left)
             if self.cancelled:
                 call.cancel()

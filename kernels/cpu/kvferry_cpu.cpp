@@ -2193,7 +2193,8 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
 
 }  // namespace
 
-// tests: the next one-region step's member `member` raises at its barrier number `sync` (-1: no fault)
+// tests: member `member` of the first one-region step whose member reaches its barrier number `sync` raises
+// there (-1: no fault)
 void set_team_fault(int64_t member, int64_t sync) {
   TORCH_CHECK(member < 1024 && sync < 1024, "set_team_fault: member and sync below 1024");
   team_fault().store(member < 0 || sync < 0 ? -1 : member * 1024 + sync);

@@ -272,14 +272,7 @@ def test_decode_layers_equals_the_layer_by_layer_forward(request, checkpoint, dt
         )
         model(ids, torch.arange(n), kv, meta)
     step_ids, positions = torch.tensor([5, 77]), torch.tensor(lens)
-    meta = AttentionMetadata.build(
-        [tables[0][21 // bs], tables[1][40 // bs]],
-        [21 % bs, 40 % bs],
-        tables,
-        [n + 1 for n in lens],
-        [],
-        kv.device,
-    )
+    meta = decode_meta(lens, tables, bs)
     kv_fused = kv.clone()
     fused = model(step_ids, positions, kv_fused, meta)
     weights, model.decode_weights = model.decode_weights, []
@@ -354,6 +347,7 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
     assert torch.equal(kv_fused, kv)
 
 
+# (the tiny model's step has 35 barriers: 11 in its dense first layer, 12 in each of its two MoE layers)
 @pytest.mark.parametrize(("member", "sync", "threads"), [(1, 0, 2), (0, 7, 2), (2, 20, 3), (1, 33, 3)])
 def test_latent_decode_step_error_in_one_member_leaves_the_region(tiny_deepseek_dir, member, sync, threads):
     """A member of the one-region step that raises (a fault set at one of its barriers) makes every member
