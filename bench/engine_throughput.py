@@ -131,7 +131,7 @@ def main() -> None:
     # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16), and
     # the KV (MLA: latent) cache of the step's mean context
     cfg = engine.model.cfg
-    # (MLA: the absorbed W_uk / W_uv in the dtype the decode reads them, float32 beside bf16 weights)
+    # (MLA: the absorbed W_uk / W_uv in the dtype the decode reads them: bf16 where kv_b's values are)
     up = engine.model.layers[0].attn.absorbed()[0].element_size() if cfg.mla else None
     step_bytes = weight_bytes_per_step(cfg, 1, engine.model.lm_head.element_size(), up)
     context = STEP_PROMPT + STEP_STEPS // 2 + 1

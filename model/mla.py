@@ -55,14 +55,22 @@ class LatentAttention(nn.Module):
         self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`): latent decode attention there
         self.triton = False  # the Triton kernels (`use_triton`): latent decode attention there
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._absorbed_key: tuple | None = None  # (device, cpu_kernels) they were made for
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_uk [H, nope, rank], W_uv [H, rank, v]) from `kv_b` (made once, in its dtype)."""
-        if self._absorbed is None or self._absorbed[0].device != self.kv_b.device:
+        """(W_uk [H, nope, rank], W_uv [H, rank, v]) from `kv_b` (made once), in its dtype; under the C++
+        kernels in bfloat16 where every value is one (any bf16 checkpoint: the kernels widen them exactly,
+        so the products are the same and the decode reads half the bytes)."""
+        key = (self.kv_b.device, self.cpu_kernels)
+        if self._absorbed is None or self._absorbed_key != key:
             kv_b = self.kv_b.view(self.rank, self.num_heads, self.nope + self.v_dim)
             w_uk = kv_b[:, :, : self.nope].permute(1, 2, 0).contiguous()
             w_uv = kv_b[:, :, self.nope :].permute(1, 0, 2).contiguous()
-            self._absorbed = (w_uk, w_uv)
+            if self.cpu_kernels:
+                narrow = (w_uk.to(torch.bfloat16), w_uv.to(torch.bfloat16))
+                if all(torch.equal(n.to(w.dtype), w) for n, w in zip(narrow, (w_uk, w_uv), strict=True)):
+                    w_uk, w_uv = narrow
+            self._absorbed, self._absorbed_key = (w_uk, w_uv), key
         return self._absorbed
 
     def forward(

@@ -1074,8 +1074,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
 
 namespace {
 
+// 8 values of a row, float32 as is or bfloat16 widened exactly; the last vector of a row: rem values (1..8)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 load8_tail(const float* x, __m256i mask, int64_t) { return _mm256_maskload_ps(x, mask); }
+
+inline __m256 load8_tail(const at::BFloat16* x, __m256i, int64_t rem) {
+  alignas(16) at::BFloat16 buf[8] = {};
+  std::copy(x, x + rem, buf);
+  return load8(buf);
+}
+
 // y[j : j + 8V] (n: where y ends; the last vector masked) = (add ? y : 0) + the sum over i < m of a[i] *
-// row(i)[same], each value summed in i order, a fused multiply-add a step, with V running sums in registers
+// row(i)[same] (float32 or bfloat16 rows), each value summed in i order, a fused multiply-add a step, with V
+// running sums in registers
 template <int V, typename Row>
 inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, int64_t j, int64_t n, bool add) {
   const int64_t rem = n - j - 8 * (V - 1);  // values in the last vector, 1..8
@@ -1086,10 +1103,10 @@ inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, i
   c[V - 1] = add ? _mm256_maskload_ps(y + j + 8 * (V - 1), tail) : _mm256_setzero_ps();
   for (int64_t i = 0; i < m; ++i) {
     const __m256 ai = _mm256_set1_ps(a[i]);
-    const float* x = row(i) + j;
+    const auto* x = row(i) + j;
 #pragma GCC unroll 8
-    for (int v = 0; v < V - 1; ++v) c[v] = _mm256_fmadd_ps(ai, _mm256_loadu_ps(x + 8 * v), c[v]);
-    c[V - 1] = _mm256_fmadd_ps(ai, _mm256_maskload_ps(x + 8 * (V - 1), tail), c[V - 1]);
+    for (int v = 0; v < V - 1; ++v) c[v] = _mm256_fmadd_ps(ai, load8(x + 8 * v), c[v]);
+    c[V - 1] = _mm256_fmadd_ps(ai, load8_tail(x + 8 * (V - 1), tail, rem), c[V - 1]);
   }
 #pragma GCC unroll 8
   for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(y + j + 8 * v, c[v]);
@@ -1116,7 +1133,8 @@ void combine(const float* a, int64_t m, const Row& row, float* y, int64_t n, boo
 }
 
 // combine over the rows of a matrix x (row stride ldx)
-inline void combine_rows(const float* a, int64_t m, const float* x, int64_t ldx, float* y, int64_t n) {
+template <typename T>
+inline void combine_rows(const float* a, int64_t m, const T* x, int64_t ldx, float* y, int64_t n) {
   combine(a, m, [=](int64_t i) { return x + i * ldx; }, y, n);
 }
 
@@ -1461,10 +1479,27 @@ std::tuple<at::Tensor, at::Tensor> grouped_route(const at::Tensor& x_, const at:
 
 namespace {
 
+// MLA's absorbed up-projections, W_uk [H, nope, rank] and W_uv [H, rank, v]: both float32, or both bfloat16 (a
+// bf16 checkpoint's values, which the kernels widen exactly: the same products at half the bytes)
+struct Absorbed {
+  const void *uk, *uv;
+  bool bf16;
+};
+
+Absorbed absorbed_of(const at::Tensor& uk, const at::Tensor& uv, int64_t H, int64_t nope, int64_t rank, int64_t vd) {
+  const auto type = uk.scalar_type();
+  TORCH_CHECK((type == at::kFloat || type == at::kBFloat16) && uv.scalar_type() == type,
+              "W_uk / W_uv: both float32 or both bfloat16");
+  TORCH_CHECK(uk.is_contiguous() && uv.is_contiguous() && uk.numel() == H * nope * rank && uv.numel() == H * rank * vd,
+              "W_uk / W_uv shapes");
+  return {uk.data_ptr(), uv.data_ptr(), type == at::kBFloat16};
+}
+
 // one work item of latent_decode_rows: sequence item / groups, its (item % groups)-th group of `per` heads
-void latent_decode_item(const float* qp, int64_t H, int64_t qk, int64_t nope, int64_t vd, const float* uk,
-                        const float* uv, const LatentRows& rows, int64_t item, int64_t groups, int64_t per,
-                        std::vector<float>& query, std::vector<float>& attn, std::vector<float>& scores, float* op) {
+template <typename T>
+void latent_decode_item(const float* qp, int64_t H, int64_t qk, int64_t nope, int64_t vd, const T* uk, const T* uv,
+                        const LatentRows& rows, int64_t item, int64_t groups, int64_t per, std::vector<float>& query,
+                        std::vector<float>& attn, std::vector<float>& scores, float* op) {
   const int64_t rank = rows.rank, Wl = 2 * rows.half;
   const int64_t b = item / groups, h0 = (item % groups) * per, hn = std::min(per, H - h0);
   for (int64_t h = h0; h < h0 + hn; ++h) {  // the query in the latent space: [q_nope W_uk | q_rope]
@@ -1478,16 +1513,26 @@ void latent_decode_item(const float* qp, int64_t H, int64_t qk, int64_t nope, in
     combine_rows(attn.data() + (h - h0) * rank, rank, uv + h * rank * vd, vd, op + (b * H + h) * vd, vd);
 }
 
-// latent_decode on raw rows: q [T, H, qk] (rope part rotated), W_uk [H, nope, rank], W_uv [H, rank, vd], float32
-// latent rows -> out [T, H, vd]
-void latent_decode_rows(const float* qp, int64_t T, int64_t H, int64_t qk, int64_t nope, int64_t vd, const float* uk,
-                        const float* uv, const LatentRows& rows, float* op) {
+void latent_decode_item(const float* qp, int64_t H, int64_t qk, int64_t nope, int64_t vd, const Absorbed& w,
+                        const LatentRows& rows, int64_t item, int64_t groups, int64_t per, std::vector<float>& query,
+                        std::vector<float>& attn, std::vector<float>& scores, float* op) {
+  if (w.bf16)
+    latent_decode_item(qp, H, qk, nope, vd, static_cast<const at::BFloat16*>(w.uk),
+                       static_cast<const at::BFloat16*>(w.uv), rows, item, groups, per, query, attn, scores, op);
+  else
+    latent_decode_item(qp, H, qk, nope, vd, static_cast<const float*>(w.uk), static_cast<const float*>(w.uv), rows,
+                       item, groups, per, query, attn, scores, op);
+}
+
+// latent_decode on raw rows: q [T, H, qk] (rope part rotated), W_uk / W_uv, float32 latent rows -> out [T, H, vd]
+void latent_decode_rows(const float* qp, int64_t T, int64_t H, int64_t qk, int64_t nope, int64_t vd, const Absorbed& w,
+                        const LatentRows& rows, float* op) {
   const int64_t rank = rows.rank, Wl = 2 * rows.half;
   const int64_t groups = latent_head_groups(T, H), per = (H + groups - 1) / groups;
   at::parallel_for(0, T * groups, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, query(per * Wl), attn(per * rank);
     for (int64_t item = i0; item < i1; ++item)
-      latent_decode_item(qp, H, qk, nope, vd, uk, uv, rows, item, groups, per, query, attn, scores, op);
+      latent_decode_item(qp, H, qk, nope, vd, w, rows, item, groups, per, query, attn, scores, op);
   });
 }
 
@@ -1502,8 +1547,6 @@ at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at
                          const at::Tensor& second, const at::Tensor& block_tables_, const at::Tensor& context_lens_,
                          double scale, int64_t skip) {
   check_f32(q_, "q");
-  check_f32(w_uk_, "w_uk");
-  check_f32(w_uv_, "w_uv");
   auto q = q_.contiguous(), w_uk = w_uk_.contiguous(), w_uv = w_uv_.contiguous();
   auto block_tables = as_contiguous(block_tables_, at::kLong), lens = as_contiguous(context_lens_, at::kLong);
   const int64_t T = q.size(0), H = q.size(1), qk = q.size(2), nope = w_uk.size(1), rank = w_uk.size(2),
@@ -1514,7 +1557,7 @@ at::Tensor latent_decode(const at::Tensor& q_, const at::Tensor& w_uk_, const at
   std::vector<at::Tensor> keep;
   const LatentRows rows = latent_rows_of(first, second, block_tables, lens, rank, skip, scale, keep);
   auto out = at::empty({T, H, vd}, q.options());
-  latent_decode_rows(q.data_ptr<float>(), T, H, qk, nope, vd, w_uk.data_ptr<float>(), w_uv.data_ptr<float>(), rows,
+  latent_decode_rows(q.data_ptr<float>(), T, H, qk, nope, vd, absorbed_of(w_uk, w_uv, H, nope, rank, vd), rows,
                      out.data_ptr<float>());
   return out;
 }
@@ -2003,10 +2046,7 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       check_packed(w[3], H, Q);
     }
     check_packed(w[4], H, W);
-    check_f32(w[6], "w_uk");
-    check_f32(w[7], "w_uv");
-    TORCH_CHECK(w[6].is_contiguous() && w[7].is_contiguous() && w[6].numel() == heads * nope * rank &&
-                    w[7].numel() == heads * rank * vd, "W_uk / W_uv shapes");
+    absorbed_of(w[6], w[7], heads, nope, rank, vd);
     check_packed(w[8], HV, H);
     const auto& first = planes[l][0];
     TORCH_CHECK(first.sizes() == planes[0][0].sizes() && first.scalar_type() == at::kFloat, "latent planes");
@@ -2115,9 +2155,9 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       LatentRows lr = lr0;
       lr.p0 = first[l];
       lr.p1 = second[l];
-      const float *uk = w[6].data_ptr<float>(), *uv = w[7].data_ptr<float>();
+      const Absorbed up = absorbed_of(w[6], w[7], heads, nope, rank, vd);
       for (int64_t item = me.lo(T * groups); item < me.hi(T * groups); ++item)
-        latent_decode_item(qrot, heads, qk, nope, vd, uk, uv, lr, item, groups, per, query, attn, scores, att);
+        latent_decode_item(qrot, heads, qk, nope, vd, up, lr, item, groups, per, query, attn, scores, att);
       me.sync();
       if (a_att.pairs || a_att.i8) {
         a_att.fill(t0, t1);
@@ -2268,13 +2308,9 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
     rms_norm_rows(lat, W, T, rank, w[5].data_ptr<float>(), eps, cp, rank);  // c: the latent's first rank values
     latent_rope_store_rows(qp, lat, cp, cosp, sinp, T, heads, qk, rank, rope, first.data_ptr(), second.data_ptr(),
                            first.scalar_type() == at::kChar, first.size(1), first.size(2), sbp, sop, qrot, rows);
-    check_f32(w[6], "w_uk");
-    check_f32(w[7], "w_uv");
-    TORCH_CHECK(w[6].is_contiguous() && w[7].is_contiguous() && w[6].numel() == heads * nope * rank &&
-                    w[7].numel() == heads * rank * vd, "W_uk / W_uv shapes");
     std::vector<at::Tensor> keep;
     const LatentRows lr = latent_rows_of(first, second, block_tables, context_lens, rank, 0, scale, keep);
-    latent_decode_rows(qrot, T, heads, qk, nope, vd, w[6].data_ptr<float>(), w[7].data_ptr<float>(), lr, att);
+    latent_decode_rows(qrot, T, heads, qk, nope, vd, absorbed_of(w[6], w[7], heads, nope, rank, vd), lr, att);
     check_packed(w[8], heads * vd, H);
     gemm(att, heads * vd, T, heads * vd, w[8], H, op, H);
     add_rms_norm_rows(op, residual.data_ptr<float>(), T, H, w[9].data_ptr<float>(), eps, h.data_ptr<float>());

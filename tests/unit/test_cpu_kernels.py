@@ -291,29 +291,36 @@ def decode_meta(lens: list[int], tables: list[list[int]], bs: int):
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "seqs", "threads", "quantization", "kv_dtype", "strided_router"),
+    ("checkpoint", "seqs", "threads", "quantization", "kv_dtype", "strided_router", "float32_up"),
     [
-        ("tiny_deepseek_dir", 1, 2, None, torch.float32, False),
-        ("tiny_deepseek_nolora_dir", 3, 3, None, torch.float32, False),
-        ("tiny_deepseek_dir", 3, 1, None, torch.float32, False),
-        ("tiny_deepseek_dir", 2, 2, "int8", torch.float32, False),
-        ("tiny_deepseek_dir", 2, 2, None, torch.int8, False),
-        ("tiny_deepseek_dir", 2, 2, None, torch.float32, True),
+        ("tiny_deepseek_dir", 1, 2, None, torch.float32, False, False),
+        ("tiny_deepseek_nolora_dir", 3, 3, None, torch.float32, False, False),
+        ("tiny_deepseek_dir", 3, 1, None, torch.float32, False, False),
+        ("tiny_deepseek_dir", 2, 2, "int8", torch.float32, False, False),
+        ("tiny_deepseek_dir", 2, 2, None, torch.int8, False, False),
+        ("tiny_deepseek_dir", 2, 2, None, torch.float32, True, False),
+        ("tiny_deepseek_dir", 2, 2, None, torch.float32, False, True),
+        ("tiny_deepseek_dir", 2, 2, None, torch.int8, False, True),
     ],
 )
 def test_latent_decode_step_equals_the_layer_by_layer_forward(
-    request, checkpoint, seqs, threads, quantization, kv_dtype, strided_router
+    request, checkpoint, seqs, threads, quantization, kv_dtype, strided_router, float32_up
 ):
     """latent_decode_layers runs a float32-cache step in one parallel region (its members meet at barriers)
     and an int8-cache step, or one whose routers are not contiguous, op by op: each gives bit for bit what
     the Python forward gives, for one sequence or several (groups of heads and rows split unevenly), on 1-3
-    threads, with int8 weights."""
+    threads, with int8 weights, with W_uk / W_uv in bfloat16 (a bf16 checkpoint's) or float32 (`float32_up`:
+    kv_b's values are not all bf16 numbers)."""
     from kvferry.kernels.int8 import kv_row_width
     from kvferry.model.attention import AttentionMetadata, PrefillChunk
     from kvferry.model.loader import load_model
 
     model = load_model(request.getfixturevalue(checkpoint), torch.float32)
+    if float32_up:
+        for layer in model.layers:
+            layer.attn.kv_b.mul_(1 + 2**-12)
     assert model.pack_weights(quantization) and model.decode_weights
+    assert model.decode_weights[6].dtype == (torch.float32 if float32_up else torch.bfloat16)  # W_uk
     if strided_router:  # the same values in a transposed layout (slot 10 of each layer's 16: the router)
         strided = [w.t().contiguous().t() if w.dim() == 2 else w for w in model.decode_weights[10::16]]
         model.decode_weights[10::16] = strided
@@ -444,6 +451,28 @@ def test_latent_decode_attention(heads, half, rank, lens, int8, skip):
     out = cpu.ops().latent_decode_attention(*args, 0.2, rank, skip)
     expected = latent_decode_attention_reference(*args, 0.2, rank, skip).nan_to_num(0.0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "nope", "rank", "rope", "vd"), [(16, 32, 64, 16, 32), (5, 10, 28, 12, 12)])
+def test_latent_decode_reads_bf16_up_projections_exactly(heads, nope, rank, rope, vd):
+    """latent_decode (W_uk into the query, the latent attention, W_uv) with bfloat16 W_uk / W_uv (how a
+    bf16 checkpoint's are kept: half the bytes) gives bit for bit what their float32 widening gives, also
+    where a row's length is not a multiple of 8, and both match the torch reference; mixed dtypes are
+    refused."""
+    from kvferry.model.mla import latent_decode_attention_reference
+
+    _, first, second, tables, lens = latent_inputs([16, 3, 40], heads, (rank + rope) // 2, 8, False)
+    q = randn(3, heads, nope + rope)
+    w_uk, w_uv = randn(heads, nope, rank).bfloat16(), randn(heads, rank, vd).bfloat16()
+    planes = (first, second, tables, lens, 0.2, 0)
+    got = cpu.ops().latent_decode(q, w_uk, w_uv, *planes)
+    assert torch.equal(got, cpu.ops().latent_decode(q, w_uk.float(), w_uv.float(), *planes))
+    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk.float())
+    query = torch.cat((q_lat, q[..., nope:]), dim=-1)
+    attn = latent_decode_attention_reference(query, first, second, tables, lens, 0.2, rank, 0)
+    torch.testing.assert_close(got, torch.einsum("thr,hrv->thv", attn, w_uv.float()), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        cpu.ops().latent_decode(q, w_uk, w_uv.float(), *planes)
 
 
 @pytest.mark.parametrize("heads", [12, 16, 20])
