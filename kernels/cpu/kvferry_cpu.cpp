@@ -1085,6 +1085,7 @@ inline __m256 load8(const at::BFloat16* x) {
 inline __m256 load8_tail(const float* x, __m256i mask, int64_t) { return _mm256_maskload_ps(x, mask); }
 
 inline __m256 load8_tail(const at::BFloat16* x, __m256i, int64_t rem) {
+  if (rem == 8) return load8(x);
   alignas(16) at::BFloat16 buf[8] = {};
   std::copy(x, x + rem, buf);
   return load8(buf);
@@ -1095,7 +1096,7 @@ inline __m256 load8_tail(const at::BFloat16* x, __m256i, int64_t rem) {
 // running sums in registers
 template <int V, typename Row>
 inline void combine_chunk(const float* a, int64_t m, const Row& row, float* y, int64_t j, int64_t n, bool add) {
-  const int64_t rem = n - j - 8 * (V - 1);  // values in the last vector, 1..8
+  const int64_t rem = std::min<int64_t>(8, n - j - 8 * (V - 1));  // values in the last vector, 1..8
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 c[V];
 #pragma GCC unroll 8
@@ -1490,6 +1491,7 @@ Absorbed absorbed_of(const at::Tensor& uk, const at::Tensor& uv, int64_t H, int6
   const auto type = uk.scalar_type();
   TORCH_CHECK((type == at::kFloat || type == at::kBFloat16) && uv.scalar_type() == type,
               "W_uk / W_uv: both float32 or both bfloat16");
+  TORCH_CHECK(uk.device().is_cpu() && uv.device().is_cpu(), "W_uk / W_uv: CPU tensors");
   TORCH_CHECK(uk.is_contiguous() && uv.is_contiguous() && uk.numel() == H * nope * rank && uv.numel() == H * rank * vd,
               "W_uk / W_uv shapes");
   return {uk.data_ptr(), uv.data_ptr(), type == at::kBFloat16};
@@ -2033,6 +2035,7 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
   const bool lora = qa > 0;
   // every check before the region: shapes, dtypes, slots
   int64_t E = 0, I = 0, Is = 0, Id = 0;  // routed experts, their width; the shared experts' and dense layers' width
+  std::vector<Absorbed> up(L);            // each layer's W_uk / W_uv
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * PER_LAYER;
     for (int64_t i : {0, 5, 9}) check_f32(w[i], "norm weight");
@@ -2046,7 +2049,7 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       check_packed(w[3], H, Q);
     }
     check_packed(w[4], H, W);
-    absorbed_of(w[6], w[7], heads, nope, rank, vd);
+    up[l] = absorbed_of(w[6], w[7], heads, nope, rank, vd);
     check_packed(w[8], HV, H);
     const auto& first = planes[l][0];
     TORCH_CHECK(first.sizes() == planes[0][0].sizes() && first.scalar_type() == at::kFloat, "latent planes");
@@ -2155,9 +2158,8 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       LatentRows lr = lr0;
       lr.p0 = first[l];
       lr.p1 = second[l];
-      const Absorbed up = absorbed_of(w[6], w[7], heads, nope, rank, vd);
       for (int64_t item = me.lo(T * groups); item < me.hi(T * groups); ++item)
-        latent_decode_item(qrot, heads, qk, nope, vd, up, lr, item, groups, per, query, attn, scores, att);
+        latent_decode_item(qrot, heads, qk, nope, vd, up[l], lr, item, groups, per, query, attn, scores, att);
       me.sync();
       if (a_att.pairs || a_att.i8) {
         a_att.fill(t0, t1);

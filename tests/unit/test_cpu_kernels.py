@@ -453,12 +453,14 @@ def test_latent_decode_attention(heads, half, rank, lens, int8, skip):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "nope", "rank", "rope", "vd"), [(16, 32, 64, 16, 32), (5, 10, 28, 12, 12)])
+@pytest.mark.parametrize(
+    ("heads", "nope", "rank", "rope", "vd"), [(16, 32, 64, 16, 32), (5, 10, 28, 12, 12), (4, 16, 140, 16, 76)]
+)
 def test_latent_decode_reads_bf16_up_projections_exactly(heads, nope, rank, rope, vd):
     """latent_decode (W_uk into the query, the latent attention, W_uv) with bfloat16 W_uk / W_uv (how a
     bf16 checkpoint's are kept: half the bytes) gives bit for bit what their float32 widening gives, also
-    where a row's length is not a multiple of 8, and both match the torch reference; mixed dtypes are
-    refused."""
+    where a row's length is not a multiple of 8 or spans several 64-value chunks, and both match the torch
+    reference; mixed dtypes are refused."""
     from kvferry.model.mla import latent_decode_attention_reference
 
     _, first, second, tables, lens = latent_inputs([16, 3, 40], heads, (rank + rope) // 2, 8, False)
