@@ -55,13 +55,13 @@ class LatentAttention(nn.Module):
         self.cpu_kernels = False  # the C++ CPU kernels (`pack_weights`): latent decode attention there
         self.triton = False  # the Triton kernels (`use_triton`): latent decode attention there
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._absorbed_key: tuple | None = None  # (device, cpu_kernels) they were made for
+        self._absorbed_key: tuple | None = None  # the kv_b (device, dtype, data) and cpu_kernels they are of
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, nope, rank], W_uv [H, rank, v]) from `kv_b` (made once), in its dtype; under the C++
         kernels in bfloat16 where every value is one (any bf16 checkpoint: the kernels widen them exactly,
         so the products are the same and the decode reads half the bytes)."""
-        key = (self.kv_b.device, self.cpu_kernels)
+        key = (self.kv_b.device, self.kv_b.dtype, self.kv_b.data_ptr(), self.cpu_kernels)
         if self._absorbed is None or self._absorbed_key != key:
             kv_b = self.kv_b.view(self.rank, self.num_heads, self.nope + self.v_dim)
             w_uk = kv_b[:, :, : self.nope].permute(1, 2, 0).contiguous()
