@@ -221,7 +221,9 @@ class ModelRunner:
                 sampled_reqs[i].sibling_samples = drawn[at : at + extra]
                 at += extra
             return dict(zip(sampled_reqs, drawn[:num_sampled], strict=False))
-        return dict(zip(sampled_reqs, sample(logits[:num_sampled], rows), strict=True))
+        if num_sampled < logits.shape[0]:  # (not a view when every row is sampled: each op costs tens of us)
+            logits = logits[:num_sampled]
+        return dict(zip(sampled_reqs, sample(logits, rows), strict=True))
 
     @staticmethod
     def _sample_row(req: Request, drafts: Sequence[int] = ()) -> SampleRow:
@@ -272,9 +274,10 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             step.slot_blocks, step.slot_offsets, step.decode_tables, step.decode_lens, prefills, dev
         )
+        input_ids, positions = torch.tensor([step.input_ids, step.positions], dtype=torch.long, device=dev)
         hidden = self.model(
-            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
+            input_ids,
+            positions,
             self.kv_cache,
             meta,
             self._mtp_inputs(step, meta) if self.model.mtp is not None and step.mtp_prev else None,

@@ -52,17 +52,17 @@ class AttentionMetadata:
         prefills: list[PrefillChunk],
         device: torch.device,
     ) -> AttentionMetadata:
-        meta = cls(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
-            num_decodes=len(decode_tables),
-            prefills=prefills,
-        )
+        # the 1-D ones from one tensor (views of it): a decode step's few ops each cost more than their work
+        tokens, decodes = len(slot_blocks), len(decode_context_lens)
+        ints = [*slot_blocks, *slot_offsets, *decode_context_lens]
+        flat = torch.tensor(ints, dtype=torch.long, device=device)
+        blocks, offsets, lens = flat.split([tokens, tokens, decodes])
+        meta = cls(blocks, offsets, num_decodes=len(decode_tables), prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-            meta.context_lens = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
+            meta.context_lens = lens
         return meta
 
 

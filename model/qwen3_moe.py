@@ -189,6 +189,9 @@ class Qwen3MoeModel(nn.Module):
         super().__init__()
         self.cpu_kernels = False
         self.decode_weights: list[torch.Tensor] = []  # set by pack_weights where decode_layers can serve
+        # the last forward's (hidden states, logits) where its one call computed the LM head too
+        # (latent_decode_layers): compute_logits of those hidden states returns those logits
+        self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         # called with a layer's index once its forward (and so its KV-cache write) is done: a prefill
         # streams that layer's finished blocks to the pool meanwhile (`engine.kv.on_layers`)
         self.after_layer: Callable[[int], None] | None = None
@@ -199,6 +202,7 @@ class Qwen3MoeModel(nn.Module):
         self.vocab_first, vocab_rows = self.shard.vocab(cfg.vocab_size)  # vocab-parallel under TP
         self.embed = nn.Parameter(torch.empty(vocab_rows, cfg.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers))
+        self.num_heads = self.layers[0].attn.num_heads  # this rank's query heads
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.hidden_size, vocab_rows), requires_grad=False)
         self.rotary = rotary_of(cfg, max_positions)
@@ -215,7 +219,7 @@ class Qwen3MoeModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L (+ 1: the MTP layer's), 2, Hkv, num_blocks, block_size, D].
         Returns the final hidden states [T, H]. `mtp`: also write the MTP layer's cache rows."""
-        layers = len(self.layers)
+        layers, self.step_logits = len(self.layers), None
         if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
             hidden = self._decode_step(input_ids, positions, kv_cache[:layers], meta)
             embeds = F.embedding(input_ids, self.embed) if mtp is not None else None
@@ -264,19 +268,24 @@ class Qwen3MoeModel(nn.Module):
 
     def _decode_step(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A step of decodes only, every layer in one kernel call (`decode_weights`)."""
-        cfg, x = self.cfg, F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.cos[positions], self.rotary.sin_signed[positions]
+        cfg = self.cfg
         slots = (meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight)
-        if cfg.mla:
-            dims = [self.layers[0].attn.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim]
-            return cpu_ops().latent_decode_layers(
-                x, self.decode_weights, kv_cache, cos, sin, *slots, [*dims, cfg.kv_lora_rank, cfg.v_head_dim],
+        if cfg.mla:  # (the embedding and the rope rows in the call too: a torch op here costs tens of us)
+            dims = [self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank]
+            dims.append(cfg.v_head_dim)
+            hidden, logits = cpu_ops().latent_decode_layers(
+                input_ids, self.embed, self.decode_weights, kv_cache, positions, self.rotary.cos,
+                self.rotary.sin_signed, *slots, dims,
                 cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.n_group,
-                cfg.topk_group, cfg.routed_scaling_factor,
+                cfg.topk_group, cfg.routed_scaling_factor, self.lm_head, self.lm_head.out_features,
             )  # fmt: skip
+            self.step_logits = (hidden, logits)  # (the LM head as the last phase of the same call)
+            return hidden
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin_signed[positions]
         return cpu_ops().decode_layers(
             x, self.decode_weights, kv_cache, cos, sin, *slots,
-            self.layers[0].attn.num_heads, cfg.rms_norm_eps, self.layers[0].attn.scale,
+            self.num_heads, cfg.rms_norm_eps, self.layers[0].attn.scale,
             cfg.num_experts_per_tok, cfg.norm_topk_prob,
         )  # fmt: skip
 
@@ -315,13 +324,16 @@ class Qwen3MoeModel(nn.Module):
                 out += [none, none, mlp.w13, mlp.w2, none, none]
         return out
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits [N, V] (every TP rank takes part; all get the logits)."""
-        local = linear(hidden, self.lm_head).float()
-        if self.parallel.tp.size == 1:
-            return local
-        return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
+        step, self.step_logits = self.step_logits, None
+        if step is not None and step[0] is hidden:  # computed in the forward's call (once: the caller's now)
+            return step[1]
+        with torch.inference_mode():
+            local = linear(hidden, self.lm_head).float()
+            if self.parallel.tp.size == 1:
+                return local
+            return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]
 
     def pack_weights(self, quantization: str | None = None) -> bool:
         """Switch to the C++ CPU kernels where they build: weights are repacked in place, so this is

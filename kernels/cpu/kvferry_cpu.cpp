@@ -2027,7 +2027,8 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
                               const int64_t* sbp, const int64_t* sop, const at::Tensor& block_tables,
                               const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims,
                               int64_t qa, double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
-                              int64_t topk_group, double routed_scaling) {
+                              int64_t topk_group, double routed_scaling, const at::Tensor& lm_head, float* logits_out,
+                              int64_t vocab) {
   constexpr int64_t PER_LAYER = 16;
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
   const int64_t L = static_cast<int64_t>(planes.size()), H = x_.size(1), T = x_.size(0);
@@ -2108,6 +2109,9 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
     first[l] = planes[l][0].data_ptr<float>();
     second[l] = planes[l][1].data_ptr<float>();
   }
+
+  const bool head = logits_out != nullptr;  // the LM head too: a last GEMM phase over the vocabulary's blocks
+  Act a_out(outp, H, H, T, head ? Packed(lm_head) : q_in);
 
   run_team([&](Member& me) {
     const int64_t t0 = me.lo(T), t1 = me.hi(T), n = t1 - t0;
@@ -2229,6 +2233,12 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
     }
     finish_mlp();
     add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, final_norm.data_ptr<float>(), eps, outp + t0 * H);
+    if (head) {
+      a_out.fill(t0, t1);
+      me.sync();
+      const GemmJob lm{Packed(lm_head), a_out.rows(), T, H, vocab, logits_out, vocab};
+      run_jobs(&lm, 1, me);
+    }
   });
   return out;
 }
@@ -2247,22 +2257,43 @@ void set_team_fault(int64_t member, int64_t sync) {
 // input norm, packed q_a (empty: no q LoRA), q_a norm (empty), packed q_b (or q), packed kv_a, kv_a norm,
 // W_uk [H, nope, rank], W_uv [H, rank, v], packed o, post-attention norm, router [Hd, E] (empty: a dense MLP),
 // correction bias [E], packed w13, packed w2, packed shared w13 (empty: none), packed shared w2. kv_cache
-// [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows); cos / sin [T, rope].
-at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at::Tensor& kv_cache,
-                                const at::Tensor& cos_, const at::Tensor& sin_, const at::Tensor& slot_blocks_,
-                                const at::Tensor& slot_offsets_, const at::Tensor& block_tables_,
-                                const at::Tensor& context_lens_, const at::Tensor& final_norm, at::IntArrayRef dims,
-                                double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
-                                int64_t topk_group, double routed_scaling) {
+// [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows). The step's tokens input_ids [T] are
+// looked up in embed [V, H] and their positions [T] in the cos / sin tables [P, rope] here, not by the caller (a
+// torch op between two steps costs tens of microseconds). lm_head: the packed LM head [H, vocab] (empty: none).
+// Returns the final hidden states [T, H] and their logits [T, vocab] (empty without an LM head).
+std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
+    const at::Tensor& input_ids_, const at::Tensor& embed, at::TensorList weights, at::Tensor& kv_cache,
+    const at::Tensor& positions_, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_, const at::Tensor& block_tables_,
+    const at::Tensor& context_lens_, const at::Tensor& final_norm, at::IntArrayRef dims, double eps, double scale,
+    int64_t top_k, bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling,
+    const at::Tensor& lm_head, int64_t vocab) {
   constexpr int64_t PER_LAYER = 16;
   TORCH_CHECK(dims.size() == 5, "dims: heads, nope, rope, rank, v");
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
-  const int64_t L = kv_cache.size(0), H = x_.size(1), T = x_.size(0);
+  check_f32(embed, "embed");
+  check_f32(cos_table, "cos");
+  check_f32(sin_table, "sin");
+  const auto input_ids = as_contiguous(input_ids_, at::kLong), positions = as_contiguous(positions_, at::kLong);
+  const int64_t L = kv_cache.size(0), H = embed.size(1), T = input_ids.numel();
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
-  check_f32(x_, "x");
-  TORCH_CHECK(x_.is_contiguous() && T > 0 && L > 0, "x [T, H], contiguous; at least one layer");
-  // the step's index and rope tensors in the kernels' dtypes, and every layer's two cache planes, once
-  const auto cos = as_contiguous(cos_, at::kFloat), sin = as_contiguous(sin_, at::kFloat);
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && T > 0 && L > 0 && positions.numel() == T,
+              "embed [V, H], contiguous; one position per token; at least one token and one layer");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == rope && cos_table.is_contiguous() &&
+                  sin_table.sizes() == cos_table.sizes() && sin_table.is_contiguous(),
+              "cos / sin tables [positions, rope], contiguous");
+  // the step's embeddings and rope rows (what F.embedding and the tables' indexing give), and every layer's two
+  // cache planes, once
+  const auto x_ = at::empty({T, H}, embed.options());
+  const auto cos = at::empty({T, rope}, cos_table.options()), sin = at::empty({T, rope}, cos_table.options());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = input_ids.data_ptr<int64_t>()[t], pos = positions.data_ptr<int64_t>()[t];
+    TORCH_CHECK(id >= 0 && id < embed.size(0), "token id out of range");
+    TORCH_CHECK(pos >= 0 && pos < cos_table.size(0), "position out of range");
+    std::copy_n(embed.data_ptr<float>() + id * H, H, x_.data_ptr<float>() + t * H);
+    std::copy_n(cos_table.data_ptr<float>() + pos * rope, rope, cos.data_ptr<float>() + t * rope);
+    std::copy_n(sin_table.data_ptr<float>() + pos * rope, rope, sin.data_ptr<float>() + t * rope);
+  }
   const auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);
   const auto block_tables = as_contiguous(block_tables_, at::kLong), context_lens = as_contiguous(context_lens_, at::kLong);
   std::vector<std::vector<at::Tensor>> planes;  // layer l's two planes (views of kv_cache)
@@ -2277,9 +2308,19 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
               "one slot, context length, block table row and rope row per token");
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
-  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights))
-    return latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm, dims,
-                              qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling);
+  // lm_head (packed [H, vocab]; empty: none): the logits [T, vocab] of the final hidden states too
+  const bool head = lm_head.numel() > 0;
+  if (head) {
+    check_packed(lm_head, H, vocab);
+    TORCH_CHECK(!is_bf16_pairs(lm_head) || H % 2 == 0, "even widths (the bf16-pair layout)");
+  }
+  auto logits = at::empty({head ? T : 0, head ? vocab : 0}, x_.options());
+  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights)) {
+    auto out = latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm,
+                                  dims, qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling,
+                                  lm_head, head ? logits.data_ptr<float>() : nullptr, vocab);
+    return {out, logits};
+  }
   // the attention's activations, raw rows in one buffer that every layer reuses (the kernels below are the
   // Python forward's, on rows: the same bits without an allocation and a dispatch per op)
   auto work = at::empty({T * (H + 2 * qa + 2 * Q + 2 * W + rank + heads * vd + H)}, x_.options());
@@ -2324,7 +2365,9 @@ at::Tensor latent_decode_layers(const at::Tensor& x_, at::TensorList weights, at
       x = gated_mlp(h, w[12], w[13]);
     }
   }
-  return add_rms_norm(x, residual, final_norm, eps);
+  auto out = add_rms_norm(x, residual, final_norm, eps);
+  if (head) gemm(out.data_ptr<float>(), H, T, H, lm_head, vocab, logits.data_ptr<float>(), vocab);
+  return {out, logits};
 }
 
 TORCH_LIBRARY(kvferry_cpu, m) {
@@ -2353,9 +2396,11 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       "latent_decode_attention(Tensor q, Tensor first, Tensor second, Tensor block_tables, Tensor context_lens, "
       "float scale, int rank, int skip=0) -> Tensor");
   m.def(
-      "latent_decode_layers(Tensor x, Tensor[] weights, Tensor(a!) kv_cache, Tensor cos, Tensor sin_signed, "
+      "latent_decode_layers(Tensor input_ids, Tensor embed, Tensor[] weights, Tensor(a!) kv_cache, Tensor positions, "
+      "Tensor cos, Tensor sin_signed, "
       "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor context_lens, Tensor final_norm, int[] dims, "
-      "float eps, float scale, int top_k, bool renormalize, int n_group, int topk_group, float routed_scaling) -> Tensor");
+      "float eps, float scale, int top_k, bool renormalize, int n_group, int topk_group, float routed_scaling, "
+      "Tensor lm_head, int vocab) -> (Tensor, Tensor)");
   m.def(
       "latent_rope_store(Tensor q, Tensor latent, Tensor c, Tensor cos, Tensor sin_signed, Tensor(a!) first, "
       "Tensor(b!) second, Tensor slot_blocks, Tensor slot_offsets) -> (Tensor, Tensor)");

@@ -344,6 +344,9 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
     try:
         kv_fused = kv.clone()
         fused = model(step_ids, positions, kv_fused, meta)
+        assert model.step_logits[0] is fused  # the LM head ran in the same call
+        fused_logits = model.compute_logits(fused)
+        assert model.step_logits is None and model.compute_logits(fused) is not fused_logits  # taken once
         weights, model.decode_weights = model.decode_weights, []
         layered = model(step_ids, positions, kv, meta)
         model.decode_weights = weights
@@ -352,6 +355,27 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
     assert fused.isfinite().all() and fused.abs().max() > 0
     assert torch.equal(fused, layered)
     assert torch.equal(kv_fused, kv)
+    assert fused_logits.shape == (seqs, cfg.vocab_size)
+    assert torch.equal(fused_logits, model.compute_logits(layered))
+
+
+def test_latent_decode_layers_refuses_a_token_or_position_outside_its_tables(tiny_deepseek_dir):
+    """The one-call step looks up the embeddings and rope rows itself: an id past the vocabulary or a
+    position past the rope tables is an error before anything is written, not a read out of bounds."""
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.loader import load_model
+
+    model = load_model(tiny_deepseek_dir, torch.float32)
+    assert model.pack_weights() and model.decode_weights
+    cfg = model.cfg
+    kv = torch.zeros((cfg.num_layers, 2, 1, 4, 16, kv_row_width(cfg.kv_cache_dim, torch.float32)))
+    meta = decode_meta([3], [[0]], 16)
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        model(torch.tensor([cfg.vocab_size]), torch.tensor([3]), kv, meta)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        model(torch.tensor([5]), torch.tensor([model.rotary.cos.shape[0]]), kv, meta)
+    assert not kv.any()
+    assert model(torch.tensor([5]), torch.tensor([3]), kv, meta).isfinite().all() and kv.any()
 
 
 # (the tiny model's step has 35 barriers: 11 in its dense first layer, 12 in each of its two MoE layers)
