@@ -286,6 +286,5 @@ class ModelRunner:
         rows = step.sample_rows
         if not rows:
             return None
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decodes)
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[rows])
+        every = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))  # all, in order (decodes)
+        return self.model.compute_logits(hidden, None if every else rows)

@@ -324,13 +324,14 @@ class Qwen3MoeModel(nn.Module):
                 out += [none, none, mlp.w13, mlp.w2, none, none]
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> float32 logits [N, V] (every TP rank takes part; all get the logits)."""
+    def compute_logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """hidden: [N, H] -> float32 logits [N, V], or those of `rows` only (every TP rank takes part; all
+        get the logits)."""
         step, self.step_logits = self.step_logits, None
         if step is not None and step[0] is hidden:  # computed in the forward's call (once: the caller's now)
-            return step[1]
+            return step[1] if rows is None else step[1][rows]
         with torch.inference_mode():
-            local = linear(hidden, self.lm_head).float()
+            local = linear(hidden if rows is None else hidden[rows], self.lm_head).float()
             if self.parallel.tp.size == 1:
                 return local
             return torch.cat(self.parallel.tp.all_gather(local), dim=-1)[:, : self.cfg.vocab_size]

@@ -357,6 +357,10 @@ def test_latent_decode_step_equals_the_layer_by_layer_forward(
     assert torch.equal(kv_fused, kv)
     assert fused_logits.shape == (seqs, cfg.vocab_size)
     assert torch.equal(fused_logits, model.compute_logits(layered))
+    rows = list(range(seqs))[::-1]  # rows out of order (a speculative step's): from the same call's logits
+    again = model(step_ids, positions, kv.clone(), meta)
+    assert model.step_logits[0] is again
+    assert torch.equal(model.compute_logits(again, rows), fused_logits[rows])
 
 
 def test_latent_decode_layers_refuses_a_token_or_position_outside_its_tables(tiny_deepseek_dir):
@@ -378,8 +382,11 @@ def test_latent_decode_layers_refuses_a_token_or_position_outside_its_tables(tin
     assert model(torch.tensor([5]), torch.tensor([3]), kv, meta).isfinite().all() and kv.any()
 
 
-# (the tiny model's step has 35 barriers: 11 in its dense first layer, 12 in each of its two MoE layers)
-@pytest.mark.parametrize(("member", "sync", "threads"), [(1, 0, 2), (0, 7, 2), (2, 20, 3), (1, 33, 3)])
+# (the tiny model's step has 36 barriers: 11 in its dense first layer, 12 in each of its two MoE layers, one
+# before the LM head)
+@pytest.mark.parametrize(
+    ("member", "sync", "threads"), [(1, 0, 2), (0, 7, 2), (2, 20, 3), (1, 33, 3), (0, 35, 2)]
+)
 def test_latent_decode_step_error_in_one_member_leaves_the_region(tiny_deepseek_dir, member, sync, threads):
     """A member of the one-region step that raises (a fault set at one of its barriers) makes every member
     leave at its next barrier; the call raises that error instead of hanging or ending the process, and the
