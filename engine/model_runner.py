@@ -271,10 +271,10 @@ class ModelRunner:
             PrefillChunk(a, b, c, torch.tensor(t, dtype=torch.long, device=dev))
             for a, b, c, t in step.prefills
         ]
-        meta = AttentionMetadata.build(
-            step.slot_blocks, step.slot_offsets, step.decode_tables, step.decode_lens, prefills, dev
-        )
-        input_ids, positions = torch.tensor([step.input_ids, step.positions], dtype=torch.long, device=dev)
+        input_ids, positions, meta = AttentionMetadata.build_step(
+            step.input_ids, step.positions, step.slot_blocks, step.slot_offsets, step.decode_tables,
+            step.decode_lens, prefills, dev,
+        )  # fmt: skip
         hidden = self.model(
             input_ids,
             positions,

@@ -52,18 +52,37 @@ class AttentionMetadata:
         prefills: list[PrefillChunk],
         device: torch.device,
     ) -> AttentionMetadata:
-        # the 1-D ones from one tensor (views of it): a decode step's few ops each cost more than their work
+        lists = (slot_blocks, slot_offsets, decode_tables, decode_context_lens)
+        return cls.build_step([], [], *lists, prefills, device)[2]
+
+    @classmethod
+    def build_step(
+        cls,
+        input_ids: list[int],
+        positions: list[int],
+        slot_blocks: list[int],
+        slot_offsets: list[int],
+        decode_tables: list[list[int]],
+        decode_context_lens: list[int],
+        prefills: list[PrefillChunk],
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step's token ids and positions [T] and its metadata, every integer in one tensor (these are
+        views of it): at batch 1 each torch op around the decode call costs more than its work."""
         tokens, decodes = len(slot_blocks), len(decode_context_lens)
-        ints = [*slot_blocks, *slot_offsets, *decode_context_lens]
+        width = max((len(t) for t in decode_tables), default=0)
+        ints = [*input_ids, *positions, *slot_blocks, *slot_offsets, *decode_context_lens]
+        for table in decode_tables:  # the decodes' block tables, rows padded with block 0
+            ints += table
+            ints += [0] * (width - len(table))
         flat = torch.tensor(ints, dtype=torch.long, device=device)
-        blocks, offsets, lens = flat.split([tokens, tokens, decodes])
+        sizes = [len(input_ids), len(positions), tokens, tokens, decodes, len(decode_tables) * width]
+        ids, pos, blocks, offsets, lens, tables = flat.split(sizes)
         meta = cls(blocks, offsets, num_decodes=len(decode_tables), prefills=prefills)
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            meta.block_tables = tables.view(len(decode_tables), width)
             meta.context_lens = lens
-        return meta
+        return ids, pos, meta
 
 
 def write_kv(
