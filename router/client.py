@@ -102,13 +102,15 @@ class ResumingStream:
             left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
             if self.resumes:  # a router to be reachable again (the next connection may be a moment away)
                 wait = bound if left is None else min(left, bound)
-                ready = grpc.channel_ready_future(self.channel)
+                # a small call that waits for a connection (not channel_ready_future: its connectivity
+                # poller thread outlives the wait and raises once the caller closes the channel)
+                probe = generate_pb2.GetModelInfoRequest()
                 try:
-                    ready.result(timeout=wait)
-                except grpc.FutureTimeoutError:
-                    raise broke from None
-                finally:  # (a future left subscribed polls on, and fails once the channel is closed)
-                    ready.cancel()
+                    self.stub.GetModelInfo(probe, timeout=wait, wait_for_ready=True)
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # none reachable in time
+                        raise broke from None
+                    # any other answer came from a router: the stream's own call tells what it means
             self.call = call = self.stub.Generate(attempt, timeout=left)
             if self.cancelled:
                 call.cancel()
