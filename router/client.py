@@ -111,6 +111,8 @@ class ResumingStream:
                     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # none reachable in time
                         raise broke from None
                     # any other answer came from a router: the stream's own call tells what it means
+                if self.deadline is not None:  # (what the wait left of the caller's deadline)
+                    left = max(0.0, self.deadline - time.monotonic())
             self.call = call = self.stub.Generate(attempt, timeout=left)
             if self.cancelled:
                 call.cancel()
