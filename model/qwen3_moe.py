@@ -221,7 +221,7 @@ class Qwen3MoeModel(nn.Module):
         Returns the final hidden states [T, H]. `mtp`: also write the MTP layer's cache rows."""
         layers, self.step_logits = len(self.layers), None
         if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
-            layer_kv = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (a view costs ~20 us)
+            layer_kv = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (ops run cold here)
             hidden = self._decode_step(input_ids, positions, layer_kv, meta)
             embeds = F.embedding(input_ids, self.embed) if mtp is not None else None
             if self.after_layer is not None:  # one call ran every layer: each one's KV is final now
