@@ -2302,10 +2302,10 @@ std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
   const bool lora = weights[1].numel() > 0;
   const int64_t qa = lora ? weights[2].size(0) : 0;
   check_latent_planes(planes[0][0], planes[0][1], W);
-  TORCH_CHECK(planes[0][0].size(0) == 1 && cos.size(1) == rope && rope % 2 == 0, "latent planes, rope");
+  TORCH_CHECK(planes[0][0].size(0) == 1 && rope % 2 == 0, "latent planes, rope");
   TORCH_CHECK(slot_blocks.numel() == T && slot_offsets.numel() == T && context_lens.numel() == T &&
-                  block_tables.dim() == 2 && block_tables.size(0) == T && cos.size(0) == T && sin.sizes() == cos.sizes(),
-              "one slot, context length, block table row and rope row per token");
+                  block_tables.dim() == 2 && block_tables.size(0) == T,
+              "one slot, context length and block table row per token");
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
   // lm_head (packed [H, vocab]; empty: none): the logits [T, vocab] of the final hidden states too
