@@ -189,6 +189,8 @@ class Qwen3MoeModel(nn.Module):
         super().__init__()
         self.cpu_kernels = False
         self.decode_weights: list[torch.Tensor] = []  # set by pack_weights where decode_layers can serve
+        # (MLA) the kernels' LatentStep over decode_weights, built at the first decode step after pack_weights
+        self.latent_step = None
         # the last forward's (hidden states, logits) where its one call computed the LM head too
         # (latent_decode_layers): compute_logits of those hidden states returns those logits
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -272,14 +274,16 @@ class Qwen3MoeModel(nn.Module):
         cfg = self.cfg
         slots = (meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight)
         if cfg.mla:  # (the embedding and the rope rows in the call too: a torch op here costs tens of us)
-            dims = [self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank]
-            dims.append(cfg.v_head_dim)
-            hidden, logits = cpu_ops().latent_decode_layers(
-                input_ids, self.embed, self.decode_weights, kv_cache, positions, self.rotary.cos,
-                self.rotary.sin_signed, *slots, dims,
-                cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.n_group,
-                cfg.topk_group, cfg.routed_scaling_factor, self.lm_head, self.lm_head.out_features,
-            )  # fmt: skip
+            if self.latent_step is None:  # the weights' checks once, not 16 tensors a layer through each call
+                dims = [self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank]
+                dims.append(cfg.v_head_dim)
+                self.latent_step = torch.classes.kvferry_cpu.LatentStep(
+                    self.embed, self.decode_weights, self.rotary.cos, self.rotary.sin_signed,
+                    self.norm.weight, dims, cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok,
+                    cfg.norm_topk_prob, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, self.lm_head,
+                    self.lm_head.out_features,
+                )  # fmt: skip
+            hidden, logits = self.latent_step.run(input_ids, kv_cache, positions, *slots[:4])
             self.step_logits = (hidden, logits)  # (the LM head as the last phase of the same call)
             return hidden
         x = F.embedding(input_ids, self.embed)
@@ -370,7 +374,7 @@ class Qwen3MoeModel(nn.Module):
                 module.cpu_kernels = True
             if hasattr(module, "bf16_products"):
                 module.bf16_products = bf16_dot
-        self.decode_weights = self._collect_decode_weights()
+        self.decode_weights, self.latent_step = self._collect_decode_weights(), None
         return True
 
     def quantize_weights(self) -> None:

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "brgemm.h"
@@ -2017,28 +2018,46 @@ bool team_serves(at::TensorList weights) {
   return true;
 }
 
-// latent_decode_layers on a float32 latent cache: the whole step in one parallel region (Team). Each layer is
-// a dozen phases between barriers: row phases (norms, RoPE and the cache write, routing, SiLU, the weighted
-// sum), each member its share of the rows; GEMM phases, each member its share of the column blocks of all
-// the phase's GEMMs (q_a with kv_a; every expert hit with the shared experts); the attention, each member
-// its share of (sequence, group of heads). The kernels are the layer-by-layer forward's, so the bits are.
-at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
-                              const std::vector<std::vector<at::Tensor>>& planes, const float* cosp, const float* sinp,
-                              const int64_t* sbp, const int64_t* sop, const at::Tensor& block_tables,
-                              const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims,
-                              int64_t qa, double eps, double scale, int64_t top_k, bool renormalize, int64_t n_group,
-                              int64_t topk_group, double routed_scaling, const at::Tensor& lm_head, float* logits_out,
-                              int64_t vocab) {
-  constexpr int64_t PER_LAYER = 16;
-  const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
-  const int64_t L = static_cast<int64_t>(planes.size()), H = x_.size(1), T = x_.size(0);
-  const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk, HV = heads * vd;
+// latent_decode_layers' part that is the model's, not the step's: its weights, embedding, rope tables, final
+// norm and LM head, their shapes and layouts checked once (kvferry_cpu.LatentStep: the model builds one and
+// runs every decode step through it, so a step passes seven tensors, not 16 per layer, and checks only its own
+// inputs). latent_decode_layers builds one for its call.
+struct LatentStep : torch::CustomClassHolder {
+  static constexpr int64_t PER_LAYER = 16;
+  at::Tensor embed, cos_table, sin_table, final_norm, lm_head;
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> dims;  // heads, nope, rope, rank, v
+  double eps, scale;
+  int64_t top_k;
+  bool renormalize;
+  int64_t n_group, topk_group;
+  double routed_scaling;
+  int64_t vocab;
+  int64_t L, H, heads, nope, rope, rank, vd, qa;  // layers, hidden width, dims, the q LoRA rank (0: none)
+  bool team = false;  // team_serves(weights): the one-region step (latent_layers_team) serves a float32 cache
+  // (team) routed experts and their width, the shared experts' and dense layers' width; each layer's W_uk / W_uv
+  int64_t E = 0, I = 0, Is = 0, Id = 0;
+  std::vector<Absorbed> up;
+
+  LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor cos_, at::Tensor sin_,
+             at::Tensor final_norm_, std::vector<int64_t> dims_, double eps_, double scale_, int64_t top_k_,
+             bool renormalize_, int64_t n_group_, int64_t topk_group_, double routed_scaling_, at::Tensor lm_head_,
+             int64_t vocab_);
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& input_ids, at::Tensor kv_cache, const at::Tensor& positions,
+                                         const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                                         const at::Tensor& block_tables, const at::Tensor& context_lens);
+};
+
+// the team's weight checks (LatentStep's constructor, where team_serves): shapes and layouts, once
+void check_team_weights(LatentStep& s) {
+  const int64_t H = s.H, L = s.L, heads = s.heads, nope = s.nope, rank = s.rank, vd = s.vd, qa = s.qa;
+  const int64_t Q = heads * (nope + s.rope), W = rank + s.rope, HV = heads * vd;
   const bool lora = qa > 0;
-  // every check before the region: shapes, dtypes, slots
+  const auto& weights = s.weights;
   int64_t E = 0, I = 0, Is = 0, Id = 0;  // routed experts, their width; the shared experts' and dense layers' width
   std::vector<Absorbed> up(L);            // each layer's W_uk / W_uv
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + l * PER_LAYER;
+    const at::Tensor* w = weights.data() + l * LatentStep::PER_LAYER;
     for (int64_t i : {0, 5, 9}) check_f32(w[i], "norm weight");
     TORCH_CHECK(w[0].numel() == H && w[5].numel() == rank && w[9].numel() == H, "norm weights");
     if (lora) {
@@ -2052,8 +2071,6 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
     check_packed(w[4], H, W);
     up[l] = absorbed_of(w[6], w[7], heads, nope, rank, vd);
     check_packed(w[8], HV, H);
-    const auto& first = planes[l][0];
-    TORCH_CHECK(first.sizes() == planes[0][0].sizes() && first.scalar_type() == at::kFloat, "latent planes");
     if (w[10].numel() > 0) {
       check_f32(w[10], "router");
       check_f32(w[11], "correction bias");
@@ -2061,7 +2078,7 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
                   "router [H, E], experts [E, ...]");
       E = w[10].size(1);
       I = packed_k(w[13]);
-      check_grouping(E, top_k, n_group, topk_group, w[11].numel());
+      check_grouping(E, s.top_k, s.n_group, s.topk_group, w[11].numel());
       check_packed(w[12][0], H, 2 * I);
       check_packed(w[13][0], I, H);
       if (w[14].numel() > 0) {
@@ -2077,13 +2094,31 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
   }
   TORCH_CHECK(!is_bf16_pairs(weights[lora ? 1 : 3]) || (H % 2 == 0 && qa % 2 == 0 && HV % 2 == 0),
               "even widths (the bf16-pair layout)");
-  check_f32(final_norm, "final norm");
-  TORCH_CHECK(final_norm.numel() == H, "final norm");
-  const int64_t num_blocks = planes[0][0].size(1), bs = planes[0][0].size(2);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sbp[t] >= 0 && sbp[t] < num_blocks && sop[t] >= 0 && sop[t] < bs, "slot out of range");
-  std::vector<at::Tensor> keep;
-  const LatentRows lr0 = latent_rows_of(planes[0][0], planes[0][1], block_tables, context_lens, rank, 0, scale, keep);
+  s.E = E;
+  s.I = I;
+  s.Is = Is;
+  s.Id = Id;
+  s.up = std::move(up);
+}
+
+// latent_decode_layers on a float32 latent cache: the whole step in one parallel region (Team). Each layer is
+// a dozen phases between barriers: row phases (norms, RoPE and the cache write, routing, SiLU, the weighted
+// sum), each member its share of the rows; GEMM phases, each member its share of the column blocks of all
+// the phase's GEMMs (q_a with kv_a; every expert hit with the shared experts); the attention, each member
+// its share of (sequence, group of heads). The kernels are the layer-by-layer forward's, so the bits are.
+at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* const* first, float* const* second,
+                              const LatentRows& lr0, const float* cosp, const float* sinp, const int64_t* sbp,
+                              const int64_t* sop, int64_t num_blocks, int64_t bs, float* logits_out) {
+  constexpr int64_t PER_LAYER = LatentStep::PER_LAYER;
+  const auto& weights = s.weights;
+  const at::Tensor &final_norm = s.final_norm, &lm_head = s.lm_head;
+  const int64_t heads = s.heads, nope = s.nope, rope = s.rope, rank = s.rank, vd = s.vd, qa = s.qa;
+  const int64_t L = s.L, H = x_.size(1), T = x_.size(0), top_k = s.top_k, vocab = s.vocab;
+  const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk, HV = heads * vd;
+  const int64_t E = s.E, I = s.I, Is = s.Is, Id = s.Id;
+  const bool lora = qa > 0;
+  const double eps = s.eps;
+  const std::vector<Absorbed>& up = s.up;
   const int64_t groups = latent_head_groups(T, heads), per = (heads + groups - 1) / groups;
 
   // the step's activations (raw rows, shared by the members)
@@ -2104,11 +2139,6 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
   Act a_h(hp, H, H, T, q_in), a_qa(qa_n, qa, qa, T, q_in), a_att(att, HV, HV, T, q_in), a_h2(h2, H, H, T, q_in),
       a_g(xs, H, H, A, q_in), a_hr(h13, 2 * I, I, A, q_in), a_hs(hs13, 2 * Iw, Is, T, q_in),
       a_hd(hs13, 2 * Iw, Id, T, q_in);  // (the shared experts' and a dense layer's hidden rows share a buffer)
-  std::vector<float*> first(L), second(L);
-  for (int64_t l = 0; l < L; ++l) {
-    first[l] = planes[l][0].data_ptr<float>();
-    second[l] = planes[l][1].data_ptr<float>();
-  }
 
   const bool head = logits_out != nullptr;  // the LM head too: a last GEMM phase over the vocabulary's blocks
   Act a_out(outp, H, H, T, head ? Packed(lm_head) : q_in);
@@ -2178,8 +2208,8 @@ at::Tensor latent_layers_team(const at::Tensor& x_, at::TensorList weights,
       const bool moe = w[10].numel() > 0, shared = moe && w[14].numel() > 0;
       if (moe) {
         router_logits_rows(h2, t0, t1, H, w[10].data_ptr<float>(), E, logits);
-        grouped_topk_rows(logits, t0, t1, E, w[11].data_ptr<float>(), top_k, renormalize, n_group, topk_group,
-                          routed_scaling, wts, ids.data());
+        grouped_topk_rows(logits, t0, t1, E, w[11].data_ptr<float>(), top_k, s.renormalize, s.n_group,
+                          s.topk_group, s.routed_scaling, wts, ids.data());
       }
       me.sync();
       jobs.clear();
@@ -2261,29 +2291,68 @@ void set_team_fault(int64_t member, int64_t sync) {
 // looked up in embed [V, H] and their positions [T] in the cos / sin tables [P, rope] here, not by the caller (a
 // torch op between two steps costs tens of microseconds). lm_head: the packed LM head [H, vocab] (empty: none).
 // Returns the final hidden states [T, H] and their logits [T, vocab] (empty without an LM head).
-std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
-    const at::Tensor& input_ids_, const at::Tensor& embed, at::TensorList weights, at::Tensor& kv_cache,
-    const at::Tensor& positions_, const at::Tensor& cos_table, const at::Tensor& sin_table,
-    const at::Tensor& slot_blocks_, const at::Tensor& slot_offsets_, const at::Tensor& block_tables_,
-    const at::Tensor& context_lens_, const at::Tensor& final_norm, at::IntArrayRef dims, double eps, double scale,
-    int64_t top_k, bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling,
-    const at::Tensor& lm_head, int64_t vocab) {
-  constexpr int64_t PER_LAYER = 16;
+LatentStep::LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor cos_, at::Tensor sin_,
+                       at::Tensor final_norm_, std::vector<int64_t> dims_, double eps_, double scale_, int64_t top_k_,
+                       bool renormalize_, int64_t n_group_, int64_t topk_group_, double routed_scaling_,
+                       at::Tensor lm_head_, int64_t vocab_)
+    : embed(std::move(embed_)),
+      cos_table(std::move(cos_)),
+      sin_table(std::move(sin_)),
+      final_norm(std::move(final_norm_)),
+      lm_head(std::move(lm_head_)),
+      weights(std::move(weights_)),
+      dims(std::move(dims_)),
+      eps(eps_),
+      scale(scale_),
+      top_k(top_k_),
+      renormalize(renormalize_),
+      n_group(n_group_),
+      topk_group(topk_group_),
+      routed_scaling(routed_scaling_),
+      vocab(vocab_) {
   TORCH_CHECK(dims.size() == 5, "dims: heads, nope, rope, rank, v");
-  const int64_t heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
+  heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
   check_f32(embed, "embed");
   check_f32(cos_table, "cos");
   check_f32(sin_table, "sin");
-  const auto input_ids = as_contiguous(input_ids_, at::kLong), positions = as_contiguous(positions_, at::kLong);
-  const int64_t L = kv_cache.size(0), H = embed.size(1), T = input_ids.numel();
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "latent_decode_layers: 16 weights per layer");
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && T > 0 && L > 0 && positions.numel() == T,
-              "embed [V, H], contiguous; one position per token; at least one token and one layer");
+  L = static_cast<int64_t>(weights.size()) / PER_LAYER;
+  H = embed.size(1);
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * PER_LAYER,
+              "latent_decode_layers: 16 weights per layer");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "embed [V, H], contiguous");
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == rope && cos_table.is_contiguous() &&
                   sin_table.sizes() == cos_table.sizes() && sin_table.is_contiguous(),
               "cos / sin tables [positions, rope], contiguous");
-  // the step's embeddings and rope rows (what F.embedding and the tables' indexing give), and every layer's two
-  // cache planes, once
+  TORCH_CHECK(rope % 2 == 0, "rope: even");
+  qa = weights[1].numel() > 0 ? weights[2].size(0) : 0;
+  if (lm_head.numel() > 0) {  // lm_head (packed [H, vocab]; empty: none)
+    check_packed(lm_head, H, vocab);
+    TORCH_CHECK(!is_bf16_pairs(lm_head) || H % 2 == 0, "even widths (the bf16-pair layout)");
+  }
+  team = team_serves(weights);
+  if (team) {
+    check_f32(final_norm, "final norm");
+    TORCH_CHECK(final_norm.numel() == H, "final norm");
+    check_team_weights(*this);
+  }
+}
+
+// decode_layers for DeepSeek-V3 (latent attention, model/mla.py; grouped routing and shared experts,
+// model/moe.py): the same ATen ops and kernels in the same order as the Python forward. kv_cache
+// [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows). The step's tokens input_ids [T] are
+// looked up in the embedding and their positions [T] in the cos / sin tables here, not by the caller (a torch op
+// between two steps costs tens of microseconds). Returns the final hidden states [T, H] and their logits
+// [T, vocab] (empty without an LM head).
+std::tuple<at::Tensor, at::Tensor> LatentStep::run(const at::Tensor& input_ids_, at::Tensor kv_cache,
+                                                   const at::Tensor& positions_, const at::Tensor& slot_blocks_,
+                                                   const at::Tensor& slot_offsets_, const at::Tensor& block_tables_,
+                                                   const at::Tensor& context_lens_) {
+  const auto input_ids = as_contiguous(input_ids_, at::kLong), positions = as_contiguous(positions_, at::kLong);
+  const int64_t T = input_ids.numel();
+  TORCH_CHECK(T > 0 && positions.numel() == T, "one position per token; at least one token");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L && kv_cache.size(1) == 2,
+              "kv_cache [L, 2, 1, blocks, bs, W/2]: one layer per 16 weights");
+  // the step's embeddings and rope rows (what F.embedding and the tables' indexing give)
   const auto x_ = at::empty({T, H}, embed.options());
   const auto cos = at::empty({T, rope}, cos_table.options()), sin = at::empty({T, rope}, cos_table.options());
   for (int64_t t = 0; t < T; ++t) {
@@ -2296,31 +2365,37 @@ std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
   }
   const auto slot_blocks = as_contiguous(slot_blocks_, at::kLong), slot_offsets = as_contiguous(slot_offsets_, at::kLong);
   const auto block_tables = as_contiguous(block_tables_, at::kLong), context_lens = as_contiguous(context_lens_, at::kLong);
-  std::vector<std::vector<at::Tensor>> planes;  // layer l's two planes (views of kv_cache)
-  for (const auto& layer : kv_cache.unbind(0)) planes.push_back(layer.unbind(0));
   const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk;
-  const bool lora = weights[1].numel() > 0;
-  const int64_t qa = lora ? weights[2].size(0) : 0;
-  check_latent_planes(planes[0][0], planes[0][1], W);
-  TORCH_CHECK(planes[0][0].size(0) == 1 && rope % 2 == 0, "latent planes, rope");
+  const bool lora = qa > 0;
+  const at::Tensor layer0 = kv_cache.select(0, 0), first0 = layer0.select(0, 0), second0 = layer0.select(0, 1);
+  check_latent_planes(first0, second0, W);
+  TORCH_CHECK(first0.size(0) == 1, "latent planes [1, blocks, bs, (rank + rope) / 2]");
   TORCH_CHECK(slot_blocks.numel() == T && slot_offsets.numel() == T && context_lens.numel() == T &&
                   block_tables.dim() == 2 && block_tables.size(0) == T,
               "one slot, context length and block table row per token");
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t *sbp = slot_blocks.data_ptr<int64_t>(), *sop = slot_offsets.data_ptr<int64_t>();
-  // lm_head (packed [H, vocab]; empty: none): the logits [T, vocab] of the final hidden states too
   const bool head = lm_head.numel() > 0;
-  if (head) {
-    check_packed(lm_head, H, vocab);
-    TORCH_CHECK(!is_bf16_pairs(lm_head) || H % 2 == 0, "even widths (the bf16-pair layout)");
-  }
   auto logits = at::empty({head ? T : 0, head ? vocab : 0}, x_.options());
-  if (planes[0][0].scalar_type() == at::kFloat && team_serves(weights)) {
-    auto out = latent_layers_team(x_, weights, planes, cosp, sinp, sbp, sop, block_tables, context_lens, final_norm,
-                                  dims, qa, eps, scale, top_k, renormalize, n_group, topk_group, routed_scaling,
-                                  lm_head, head ? logits.data_ptr<float>() : nullptr, vocab);
+  if (first0.scalar_type() == at::kFloat && team) {
+    // every layer's planes share layer 0's shape and strides: their rows by pointer, not as views
+    const int64_t num_blocks = first0.size(1), bs = first0.size(2);
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(sbp[t] >= 0 && sbp[t] < num_blocks && sop[t] >= 0 && sop[t] < bs, "slot out of range");
+    std::vector<at::Tensor> keep;
+    const LatentRows lr0 = latent_rows_of(first0, second0, block_tables, context_lens, rank, 0, scale, keep);
+    std::vector<float*> first(L), second(L);
+    float* base = kv_cache.data_ptr<float>();
+    for (int64_t l = 0; l < L; ++l) {
+      first[l] = base + l * kv_cache.stride(0);
+      second[l] = first[l] + kv_cache.stride(1);
+    }
+    auto out = latent_layers_team(*this, x_, first.data(), second.data(), lr0, cosp, sinp, sbp, sop, num_blocks, bs,
+                                  head ? logits.data_ptr<float>() : nullptr);
     return {out, logits};
   }
+  std::vector<std::vector<at::Tensor>> planes;  // layer l's two planes (views of kv_cache)
+  for (const auto& layer : kv_cache.unbind(0)) planes.push_back(layer.unbind(0));
   // the attention's activations, raw rows in one buffer that every layer reuses (the kernels below are the
   // Python forward's, on rows: the same bits without an allocation and a dispatch per op)
   auto work = at::empty({T * (H + 2 * qa + 2 * Q + 2 * W + rank + heads * vd + H)}, x_.options());
@@ -2370,7 +2445,27 @@ std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
   return {out, logits};
 }
 
+// latent_decode_layers as one op: weights 16 per layer (input norm, packed q_a (empty: no q LoRA), q_a norm
+// (empty), packed q_b (or q), packed kv_a, kv_a norm, W_uk [H, nope, rank], W_uv [H, rank, v], packed o,
+// post-attention norm, router [Hd, E] (empty: a dense MLP), correction bias [E], packed w13, packed w2, packed
+// shared w13 (empty: none), packed shared w2); the model's part checked for this call (LatentStep)
+std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
+    const at::Tensor& input_ids, const at::Tensor& embed, at::TensorList weights, at::Tensor& kv_cache,
+    const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, const at::Tensor& final_norm, at::IntArrayRef dims, double eps, double scale,
+    int64_t top_k, bool renormalize, int64_t n_group, int64_t topk_group, double routed_scaling,
+    const at::Tensor& lm_head, int64_t vocab) {
+  LatentStep step(embed, weights.vec(), cos_table, sin_table, final_norm, dims.vec(), eps, scale, top_k, renormalize,
+                  n_group, topk_group, routed_scaling, lm_head, vocab);
+  return step.run(input_ids, kv_cache, positions, slot_blocks, slot_offsets, block_tables, context_lens);
+}
+
 TORCH_LIBRARY(kvferry_cpu, m) {
+  m.class_<LatentStep>("LatentStep")
+      .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>,
+                       double, double, int64_t, bool, int64_t, int64_t, double, at::Tensor, int64_t>())
+      .def("run", &LatentStep::run);
   m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_bf16_pairs(Tensor w) -> Tensor");

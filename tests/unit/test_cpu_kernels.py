@@ -382,6 +382,27 @@ def test_latent_decode_layers_refuses_a_token_or_position_outside_its_tables(tin
     assert model(torch.tensor([5]), torch.tensor([3]), kv, meta).isfinite().all() and kv.any()
 
 
+def test_the_latent_step_is_checked_once_and_refuses_a_cache_of_other_layers(tiny_deepseek_dir):
+    """The model's weights go to the kernels once (a LatentStep, built at the first decode step and reused
+    by every later one); a step checks its own inputs: a cache with another number of layers is an error."""
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.loader import load_model
+
+    model = load_model(tiny_deepseek_dir, torch.float32)
+    assert model.pack_weights() and model.latent_step is None
+    cfg = model.cfg
+    kv = torch.zeros((cfg.num_layers, 2, 1, 4, 16, kv_row_width(cfg.kv_cache_dim, torch.float32)))
+    meta = decode_meta([3], [[0]], 16)
+    first = model(torch.tensor([5]), torch.tensor([3]), kv, meta)
+    step = model.latent_step
+    assert step is not None
+    assert torch.equal(model(torch.tensor([5]), torch.tensor([3]), kv, meta), first)
+    assert model.latent_step is step
+    with pytest.raises(RuntimeError, match="one layer per 16 weights"):
+        model(torch.tensor([5]), torch.tensor([3]), kv[1:], meta)
+    assert model.latent_step is step
+
+
 # (the tiny model's step has 36 barriers: 11 in its dense first layer, 12 in each of its two MoE layers, one
 # before the LM head)
 @pytest.mark.parametrize(
