@@ -266,22 +266,29 @@ class ModelRunner:
         An empty step is a forward over zero tokens: an expert-parallel rank with no sequences still
         takes part in every layer's all_to_all.
         """
-        dev = self.device
-        prefills = [
-            PrefillChunk(a, b, c, torch.tensor(t, dtype=torch.long, device=dev))
-            for a, b, c, t in step.prefills
-        ]
-        input_ids, positions, meta = AttentionMetadata.build_step(
-            step.input_ids, step.positions, step.slot_blocks, step.slot_offsets, step.decode_tables,
-            step.decode_lens, prefills, dev,
-        )  # fmt: skip
-        hidden = self.model(
-            input_ids,
-            positions,
-            self.kv_cache,
-            meta,
-            self._mtp_inputs(step, meta) if self.model.mtp is not None and step.mtp_prev else None,
-        )
+        hidden = None
+        if not step.prefills and not step.mtp_prev and 0 < len(step.decode_tables) == len(step.input_ids):
+            hidden = self.model.decode_lists(
+                step.input_ids, step.positions, step.slot_blocks, step.slot_offsets, step.decode_tables,
+                step.decode_lens, self.kv_cache,
+            )  # fmt: skip
+        if hidden is None:
+            dev = self.device
+            prefills = [
+                PrefillChunk(a, b, c, torch.tensor(t, dtype=torch.long, device=dev))
+                for a, b, c, t in step.prefills
+            ]
+            input_ids, positions, meta = AttentionMetadata.build_step(
+                step.input_ids, step.positions, step.slot_blocks, step.slot_offsets, step.decode_tables,
+                step.decode_lens, prefills, dev,
+            )  # fmt: skip
+            hidden = self.model(
+                input_ids,
+                positions,
+                self.kv_cache,
+                meta,
+                self._mtp_inputs(step, meta) if self.model.mtp is not None and step.mtp_prev else None,
+            )
         self.hidden = hidden if self.model.mtp is not None else None
         rows = step.sample_rows
         if not rows:

@@ -274,16 +274,7 @@ class Qwen3MoeModel(nn.Module):
         cfg = self.cfg
         slots = (meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, self.norm.weight)
         if cfg.mla:  # (the embedding and the rope rows in the call too: a torch op here costs tens of us)
-            if self.latent_step is None:  # the weights' checks once, not 16 tensors a layer through each call
-                dims = [self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank]
-                dims.append(cfg.v_head_dim)
-                self.latent_step = torch.classes.kvferry_cpu.LatentStep(
-                    self.embed, self.decode_weights, self.rotary.cos, self.rotary.sin_signed,
-                    self.norm.weight, dims, cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok,
-                    cfg.norm_topk_prob, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, self.lm_head,
-                    self.lm_head.out_features,
-                )  # fmt: skip
-            hidden, logits = self.latent_step.run(input_ids, kv_cache, positions, *slots[:4])
+            hidden, logits = self._latent_step().run(input_ids, kv_cache, positions, *slots[:4])
             self.step_logits = (hidden, logits)  # (the LM head as the last phase of the same call)
             return hidden
         x = F.embedding(input_ids, self.embed)
@@ -293,6 +284,47 @@ class Qwen3MoeModel(nn.Module):
             self.num_heads, cfg.rms_norm_eps, self.layers[0].attn.scale,
             cfg.num_experts_per_tok, cfg.norm_topk_prob,
         )  # fmt: skip
+
+    def _latent_step(self):
+        """The kernels' LatentStep over `decode_weights`: the weights' checks once, not 16 tensors a layer
+        through each call."""
+        if self.latent_step is None:
+            cfg = self.cfg
+            dims = [self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank]
+            dims.append(cfg.v_head_dim)
+            self.latent_step = torch.classes.kvferry_cpu.LatentStep(
+                self.embed, self.decode_weights, self.rotary.cos, self.rotary.sin_signed,
+                self.norm.weight, dims, cfg.rms_norm_eps, cfg.softmax_scale, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, self.lm_head,
+                self.lm_head.out_features,
+            )  # fmt: skip
+        return self.latent_step
+
+    def decode_lists(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_blocks: list[int],
+        slot_offsets: list[int],
+        tables: list[list[int]],
+        lens: list[int],
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A step of decodes only (one token per sequence) straight from the scheduler's lists: `forward`'s
+        one-call step without its metadata tensors (after a step has streamed the weights through the
+        caches, each torch op around the call costs tens of microseconds). The final hidden states [T, H],
+        their logits kept for `compute_logits`; None where this path does not serve: not the one-call MLA
+        step, or a layer hook. (It writes no MTP cache rows: a step that does takes `forward`.)"""
+        if not (self.cfg.mla and self.decode_weights and self.after_layer is None):
+            return None
+        layers = len(self.layers)
+        kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (an MTP layer's is last)
+        width = max(map(len, tables))
+        flat = [block for table in tables for block in (*table, *[0] * (width - len(table)))]
+        step = self._latent_step()
+        hidden, logits = step.run_lists(input_ids, kv_cache, positions, slot_blocks, slot_offsets, flat, lens)
+        self.step_logits = (hidden, logits)
+        return hidden
 
     def _collect_decode_weights(self) -> list[torch.Tensor]:
         """The weights `decode_layers` takes, 9 per layer (`latent_decode_layers`: 16); empty where a layer

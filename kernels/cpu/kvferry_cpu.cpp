@@ -2046,6 +2046,21 @@ struct LatentStep : torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& input_ids, at::Tensor kv_cache, const at::Tensor& positions,
                                          const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                                          const at::Tensor& block_tables, const at::Tensor& context_lens);
+  // run on a step's integers as lists (the engine's decode-only steps: after a step has streamed the weights
+  // through the caches, each torch op that builds the step's tensors costs tens of us); block_tables: the
+  // rows [T, width] flat
+  std::tuple<at::Tensor, at::Tensor> run_lists(std::vector<int64_t> input_ids, at::Tensor kv_cache,
+                                               std::vector<int64_t> positions, std::vector<int64_t> slot_blocks,
+                                               std::vector<int64_t> slot_offsets, std::vector<int64_t> block_tables,
+                                               std::vector<int64_t> context_lens) {
+    const int64_t T = static_cast<int64_t>(input_ids.size());
+    TORCH_CHECK(T > 0 && block_tables.size() % T == 0, "block_tables: one row per token");
+    const auto of = [](std::vector<int64_t>& v) {
+      return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
+    };
+    return run(of(input_ids), kv_cache, of(positions), of(slot_blocks), of(slot_offsets),
+               of(block_tables).view({T, static_cast<int64_t>(block_tables.size()) / T}), of(context_lens));
+  }
 };
 
 // the team's weight checks (LatentStep's constructor, where team_serves): shapes and layouts, once
@@ -2465,7 +2480,8 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.class_<LatentStep>("LatentStep")
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>,
                        double, double, int64_t, bool, int64_t, int64_t, double, at::Tensor, int64_t>())
-      .def("run", &LatentStep::run);
+      .def("run", &LatentStep::run)
+      .def("run_lists", &LatentStep::run_lists);
   m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_bf16_pairs(Tensor w) -> Tensor");

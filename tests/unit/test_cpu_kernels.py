@@ -403,6 +403,36 @@ def test_the_latent_step_is_checked_once_and_refuses_a_cache_of_other_layers(tin
     assert model.latent_step is step
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny_deepseek_dir", "tiny_deepseek_nolora_dir"])
+def test_a_decode_step_from_lists_equals_the_forward_and_steps_aside_for_a_layer_hook(checkpoint, request):
+    """decode_lists (the engine's decode-only steps, straight from the scheduler's lists) gives the forward's
+    hidden states, logits and cache rows, padded block tables included, with an MTP layer (whose cache rows
+    it leaves) or without; with a layer hook (KV streaming) it does not serve, so the forward calls the
+    hook."""
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.loader import load_model
+
+    model = load_model(request.getfixturevalue(checkpoint), torch.float32)
+    assert model.pack_weights()
+    cfg, bs = model.cfg, 16
+    layers = cfg.num_layers + (model.mtp is not None)
+    kv = torch.zeros((layers, 2, 1, 8, bs, kv_row_width(cfg.kv_cache_dim, torch.float32)))
+    kv[:, :, :, :5] = torch.randn(kv[:, :, :, :5].shape, generator=GEN)  # earlier rows of both sequences
+    lens, tables = [21, 3], [[0, 1], [4]]
+    ids, positions = [5, 77], [n - 1 for n in lens]
+    slots = ([t[p // bs] for t, p in zip(tables, positions, strict=True)], [p % bs for p in positions])
+    kv_lists = kv.clone()
+    hidden = model.decode_lists(ids, positions, *slots, tables, lens, kv_lists)
+    assert hidden is not None
+    logits = model.compute_logits(hidden)
+    forward = model(torch.tensor(ids), torch.tensor(positions), kv, decode_meta(positions, tables, bs))
+    assert torch.equal(hidden, forward) and torch.equal(kv_lists, kv)
+    assert torch.equal(logits, model.compute_logits(forward))
+    seen = []
+    model.after_layer = seen.append
+    assert model.decode_lists(ids, positions, *slots, tables, lens, kv) is None and not seen
+
+
 # (the tiny model's step has 36 barriers: 11 in its dense first layer, 12 in each of its two MoE layers, one
 # before the LM head)
 @pytest.mark.parametrize(
