@@ -314,8 +314,9 @@ class Qwen3MoeModel(nn.Module):
         one-call step without its metadata tensors (after a step has streamed the weights through the
         caches, each torch op around the call costs tens of microseconds). The final hidden states [T, H],
         their logits kept for `compute_logits`; None where this path does not serve: not the one-call MLA
-        step, or a layer hook. (It writes no MTP cache rows: a step that does takes `forward`.)"""
-        if not (self.cfg.mla and self.decode_weights and self.after_layer is None):
+        step, no sequence, or a layer hook. (It writes no MTP cache rows: a step that does takes `forward`.
+        Not under `inference_mode`: nothing it takes requires grad; its outputs are plain tensors.)"""
+        if not (self.cfg.mla and self.decode_weights and tables and self.after_layer is None):
             return None
         layers = len(self.layers)
         kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (an MTP layer's is last)

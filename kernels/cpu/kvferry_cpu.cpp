@@ -2297,15 +2297,9 @@ void set_team_fault(int64_t member, int64_t sync) {
   team_fault().store(member < 0 || sync < 0 ? -1 : member * 1024 + sync);
 }
 
-// decode_layers for DeepSeek-V3 (latent attention, model/mla.py; grouped routing and shared experts,
-// model/moe.py): the same ATen ops and kernels in the same order as the Python forward. weights: 16 per layer:
-// input norm, packed q_a (empty: no q LoRA), q_a norm (empty), packed q_b (or q), packed kv_a, kv_a norm,
-// W_uk [H, nope, rank], W_uv [H, rank, v], packed o, post-attention norm, router [Hd, E] (empty: a dense MLP),
-// correction bias [E], packed w13, packed w2, packed shared w13 (empty: none), packed shared w2. kv_cache
-// [L, 2, 1, blocks, bs, W/2] (the latent's halves; float32 or int8 rows). The step's tokens input_ids [T] are
-// looked up in embed [V, H] and their positions [T] in the cos / sin tables [P, rope] here, not by the caller (a
-// torch op between two steps costs tens of microseconds). lm_head: the packed LM head [H, vocab] (empty: none).
-// Returns the final hidden states [T, H] and their logits [T, vocab] (empty without an LM head).
+// LatentStep's model part, checked once: embed [V, H]; weights, 16 per layer (latent_decode_layers); the cos /
+// sin tables [P, rope]; the final norm; lm_head: the packed LM head [H, vocab] (empty: none); dims: heads, nope,
+// rope, rank, v. Where the one-region step serves these weights (team_serves), their shapes and layouts for it.
 LatentStep::LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor cos_, at::Tensor sin_,
                        at::Tensor final_norm_, std::vector<int64_t> dims_, double eps_, double scale_, int64_t top_k_,
                        bool renormalize_, int64_t n_group_, int64_t topk_group_, double routed_scaling_,
@@ -2460,10 +2454,10 @@ std::tuple<at::Tensor, at::Tensor> LatentStep::run(const at::Tensor& input_ids_,
   return {out, logits};
 }
 
-// latent_decode_layers as one op: weights 16 per layer (input norm, packed q_a (empty: no q LoRA), q_a norm
-// (empty), packed q_b (or q), packed kv_a, kv_a norm, W_uk [H, nope, rank], W_uv [H, rank, v], packed o,
-// post-attention norm, router [Hd, E] (empty: a dense MLP), correction bias [E], packed w13, packed w2, packed
-// shared w13 (empty: none), packed shared w2); the model's part checked for this call (LatentStep)
+// decode_layers for DeepSeek-V3 as one op (LatentStep::run, the model's part checked for this call). weights: 16
+// per layer: input norm, packed q_a (empty: no q LoRA), q_a norm (empty), packed q_b (or q), packed kv_a, kv_a
+// norm, W_uk [H, nope, rank], W_uv [H, rank, v], packed o, post-attention norm, router [Hd, E] (empty: a dense
+// MLP), correction bias [E], packed w13, packed w2, packed shared w13 (empty: none), packed shared w2
 std::tuple<at::Tensor, at::Tensor> latent_decode_layers(
     const at::Tensor& input_ids, const at::Tensor& embed, at::TensorList weights, at::Tensor& kv_cache,
     const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
