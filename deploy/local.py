@@ -84,6 +84,9 @@ def placement_env(placement: Placement, environ=os.environ) -> dict[str, str]:
     return {k: v for k, v in placement.env().items() if not environ.get(k)}
 
 
+DOWN = ("failed", "exited")  # the states of a unit left down (not restarted, not waited for)
+
+
 @dataclass
 class Child:
     """One unit `kvferry up` runs: redis, a pool node, a worker group (its rank 0, which starts the
@@ -95,7 +98,9 @@ class Child:
     argv: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict, repr=False)
     size: int = 1  # worker groups: processes (ranks) the group runs
-    # running | waiting (dead, restarts at restart_at) | failed (left down) | retiring (scaled away)
+    # running | waiting (dead, restarts at restart_at) | failed (left down: past its restart budget) |
+    # exited (left down: it exited 0, as a worker does after the drain a SIGTERM asked for) | retiring
+    # (scaled away)
     state: str = "running"
     supervised: bool = False  # restarted when it dies: set once it has been ready
     restart_at: float = 0.0
@@ -273,7 +278,7 @@ class LocalCluster:
 
     def live_routers(self) -> list[Child]:
         with self._lock:
-            return [c for c in self.routers if c.state != "failed"]
+            return [c for c in self.routers if c.state not in DOWN]
 
     def scale_routers(self, n: int, timeout_s: float = 60.0) -> None:
         """Run `n` routers: new ones start and register (their heartbeat) before the newest surplus
@@ -339,8 +344,8 @@ class LocalCluster:
         """(prefill, decode, pool) registry members of the units meant to serve now (a unit waiting
         to restart counts; one left down does not)."""
         with self._lock:
-            pool = sum(1 for c in self.children if _kind(c.name) == "pool" and c.state != "failed")
-            live = {role: [c for c in groups if c.state != "failed"] for role, groups in self.groups.items()}
+            pool = sum(1 for c in self.children if _kind(c.name) == "pool" and c.state not in DOWN)
+            live = {role: [c for c in groups if c.state not in DOWN] for role, groups in self.groups.items()}
         return len(live["prefill"]), sum(c.size for c in live["decode"]), pool
 
     def scale(
@@ -366,7 +371,7 @@ class LocalCluster:
         """The role's groups that serve or will again (restarting), oldest first; one left down is
         dropped from the role's groups (it stays in `children`: reported, and reaped at stop)."""
         with self._lock:
-            self.groups[role] = [c for c in self.groups[role] if c.state != "failed"]
+            self.groups[role] = [c for c in self.groups[role] if c.state not in DOWN]
             return list(self.groups[role])
 
     def wait_ready(self, started: list[Child], deadline: float) -> None:
@@ -427,7 +432,7 @@ class LocalCluster:
             if self._stopping.is_set():
                 return
             for child in self.children:
-                if not child.supervised or child.state in ("failed", "retiring"):
+                if not child.supervised or child.state in (*DOWN, "retiring"):
                     continue
                 if child.state == "running" and child.proc.poll() is not None:
                     self._died(child, now)
@@ -436,6 +441,10 @@ class LocalCluster:
 
     def _died(self, child: Child, now: float) -> None:
         code = child.proc.returncode
+        if code == 0:  # it left on purpose (drained on a SIGTERM sent to it): restarting would undo that
+            child.state = "exited"
+            self._report(f"kvferry: {child.name} exited with code 0 (drained); left down; see {child.log}")
+            return
         delay = child.budget.delay(now)
         r = self.cfg.restarts
         if delay is None:

@@ -148,6 +148,22 @@ def test_watcher_restarts_a_dead_unit_with_its_command_and_env_then_leaves_it_do
     assert child.log.read_text().count("the-secret") == 3  # every run got the secret in its env
 
 
+def test_a_unit_that_exits_0_is_left_down_not_restarted(tmp_path):
+    """A worker exits 0 only after the drain a SIGTERM sent to it asked for: the watcher leaves it down
+    (restarting it would undo what the operator asked), and the cluster no longer waits for it."""
+    cluster = _cluster(tmp_path, max=2, window_s=600, backoff_s=1, max_backoff_s=30)
+    child = cluster._spawn("decode-0", [sys.executable, "-c", "pass"])
+    child.supervised = True
+    cluster.groups["decode"].append(child)
+    _wait_exit(child)
+    first = child.proc.pid
+    cluster.tend(100.0)
+    cluster.tend(200.0)
+    assert child.state == "exited" and child.proc.pid == first
+    assert "left down" in cluster.events[-1] and "code 0" in cluster.events[-1]
+    assert cluster.want()[1] == 0 and cluster.counts() == (0, 0)
+
+
 def test_retired_units_and_a_stopping_cluster_restart_nothing(tmp_path):
     cluster = _cluster(tmp_path)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
