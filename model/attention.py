@@ -70,11 +70,8 @@ class AttentionMetadata:
         """A step's token ids and positions [T] and its metadata, every integer in one tensor (these are
         views of it): at batch 1 each torch op around the decode call costs more than its work."""
         tokens, decodes = len(slot_blocks), len(decode_context_lens)
-        width = max((len(t) for t in decode_tables), default=0)
-        ints = [*input_ids, *positions, *slot_blocks, *slot_offsets, *decode_context_lens]
-        for table in decode_tables:  # the decodes' block tables, rows padded with block 0
-            ints += table
-            ints += [0] * (width - len(table))
+        rows, width = padded_tables(decode_tables)
+        ints = [*input_ids, *positions, *slot_blocks, *slot_offsets, *decode_context_lens, *rows]
         flat = torch.tensor(ints, dtype=torch.long, device=device)
         sizes = [len(input_ids), len(positions), tokens, tokens, decodes, len(decode_tables) * width]
         ids, pos, blocks, offsets, lens, tables = flat.split(sizes)
@@ -83,6 +80,13 @@ class AttentionMetadata:
             meta.block_tables = tables.view(len(decode_tables), width)
             meta.context_lens = lens
         return ids, pos, meta
+
+
+def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Block tables as one flat list of rows [len(tables), width], each padded with block 0 to the longest
+    (width)."""
+    width = max(map(len, tables), default=0)
+    return [block for table in tables for block in (*table, *[0] * (width - len(table)))], width
 
 
 def write_kv(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.kernels.cpu import ops as cpu_ops
-from kvferry.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvferry.model.attention import AttentionMetadata, padded_tables, paged_attention, write_kv
 from kvferry.model.config import ModelConfig
 from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, pack, quantize, rms_norm
 from kvferry.model.mla import LatentAttention
@@ -320,8 +320,7 @@ class Qwen3MoeModel(nn.Module):
             return None
         layers = len(self.layers)
         kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (an MTP layer's is last)
-        width = max(map(len, tables))
-        flat = [block for table in tables for block in (*table, *[0] * (width - len(table)))]
+        flat, _ = padded_tables(tables)
         step = self._latent_step()
         hidden, logits = step.run_lists(input_ids, kv_cache, positions, slot_blocks, slot_offsets, flat, lens)
         self.step_logits = (hidden, logits)

@@ -2026,14 +2026,14 @@ struct LatentStep : torch::CustomClassHolder {
   static constexpr int64_t PER_LAYER = 16;
   at::Tensor embed, cos_table, sin_table, final_norm, lm_head;
   std::vector<at::Tensor> weights;
-  std::vector<int64_t> dims;  // heads, nope, rope, rank, v
   double eps, scale;
   int64_t top_k;
   bool renormalize;
   int64_t n_group, topk_group;
   double routed_scaling;
   int64_t vocab;
-  int64_t L, H, heads, nope, rope, rank, vd, qa;  // layers, hidden width, dims, the q LoRA rank (0: none)
+  // layers, hidden width, the dims (heads, nope, rope, rank, v), the q LoRA rank (0: none)
+  int64_t L, H, heads, nope, rope, rank, vd, qa;
   bool team = false;  // team_serves(weights): the one-region step (latent_layers_team) serves a float32 cache
   // (team) routed experts and their width, the shared experts' and dense layers' width; each layer's W_uk / W_uv
   int64_t E = 0, I = 0, Is = 0, Id = 0;
@@ -2310,7 +2310,6 @@ LatentStep::LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::
       final_norm(std::move(final_norm_)),
       lm_head(std::move(lm_head_)),
       weights(std::move(weights_)),
-      dims(std::move(dims_)),
       eps(eps_),
       scale(scale_),
       top_k(top_k_),
@@ -2319,8 +2318,8 @@ LatentStep::LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::
       topk_group(topk_group_),
       routed_scaling(routed_scaling_),
       vocab(vocab_) {
-  TORCH_CHECK(dims.size() == 5, "dims: heads, nope, rope, rank, v");
-  heads = dims[0], nope = dims[1], rope = dims[2], rank = dims[3], vd = dims[4];
+  TORCH_CHECK(dims_.size() == 5, "dims: heads, nope, rope, rank, v");
+  heads = dims_[0], nope = dims_[1], rope = dims_[2], rank = dims_[3], vd = dims_[4];
   check_f32(embed, "embed");
   check_f32(cos_table, "cos");
   check_f32(sin_table, "sin");
