@@ -13,7 +13,14 @@ from kvferry.engine.structured import fill_mask, masks
 from kvferry.kernels.int8 import kv_row_width
 from kvferry.model.attention import AttentionMetadata, PrefillChunk
 from kvferry.model.qwen3_moe import MtpInputs, Qwen3MoeModel
-from kvferry.model.sampler import Sampled, SampleRow, sample, speculative_sample, token_logprobs
+from kvferry.model.sampler import (
+    Sampled,
+    SampleRow,
+    argmax_rows,
+    sample,
+    speculative_sample,
+    token_logprobs,
+)
 
 
 def kv_block_bytes(model: Qwen3MoeModel, block_size: int, dtype: torch.dtype) -> int:
@@ -199,6 +206,12 @@ class ModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, num_sampled: int, sampled_reqs: list[Request]):
+        if num_sampled < logits.shape[0]:  # (not a view when every row is sampled: each op costs tens of us)
+            logits = logits[:num_sampled]
+        known, self.model.step_argmax = self.model.step_argmax, None
+        if all(map(self._argmax_only, sampled_reqs)):  # (no SampleRow: cold, each Python line costs us)
+            best = known[1] if known is not None and known[0] is logits else argmax_rows(logits)
+            return dict(zip(sampled_reqs, map(Sampled, best), strict=True))
         rows = [self._sample_row(r) for r in sampled_reqs]
         constrained = [i for i, r in enumerate(sampled_reqs) if r.matcher is not None]
         if constrained:  # structured outputs: the tokens each grammar allows next
@@ -221,9 +234,20 @@ class ModelRunner:
                 sampled_reqs[i].sibling_samples = drawn[at : at + extra]
                 at += extra
             return dict(zip(sampled_reqs, drawn[:num_sampled], strict=False))
-        if num_sampled < logits.shape[0]:  # (not a view when every row is sampled: each op costs tens of us)
-            logits = logits[:num_sampled]
         return dict(zip(sampled_reqs, sample(logits, rows), strict=True))
+
+    @staticmethod
+    def _argmax_only(req: Request) -> bool:
+        """Whether `req`'s token this step is its logits row's argmax, as `sample` would find it: a plain
+        greedy request (`SamplingSpec.plain_greedy`) with no grammar, no tokens banned until `min_tokens`
+        (`_sample_row`'s rule) and no sibling sequences still to start."""
+        params = req.params
+        return (
+            params.spec.plain_greedy
+            and req.matcher is None
+            and (params.n == 1 or bool(req.output_token_ids))
+            and (not req.banned_until_min or len(req.output_token_ids) >= params.min_tokens)
+        )
 
     @staticmethod
     def _sample_row(req: Request, drafts: Sequence[int] = ()) -> SampleRow:

@@ -8,6 +8,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -120,7 +121,7 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
-    @property
+    @cached_property  # (frozen: built once, not at each step of each request)
     def spec(self) -> SamplingSpec:
         return SamplingSpec(
             self.temperature,

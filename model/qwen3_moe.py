@@ -194,6 +194,9 @@ class Qwen3MoeModel(nn.Module):
         # the last forward's (hidden states, logits) where its one call computed the LM head too
         # (latent_decode_layers): compute_logits of those hidden states returns those logits
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a list-fed step's (decode_lists) logits and each row's argmax, found in its call: the sampler's
+        # greedy tokens for those logits (`ModelRunner._sample`)
+        self.step_argmax: tuple[torch.Tensor, list[int]] | None = None
         # called with a layer's index once its forward (and so its KV-cache write) is done: a prefill
         # streams that layer's finished blocks to the pool meanwhile (`engine.kv.on_layers`)
         self.after_layer: Callable[[int], None] | None = None
@@ -221,7 +224,7 @@ class Qwen3MoeModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L (+ 1: the MTP layer's), 2, Hkv, num_blocks, block_size, D].
         Returns the final hidden states [T, H]. `mtp`: also write the MTP layer's cache rows."""
-        layers, self.step_logits = len(self.layers), None
+        layers, self.step_logits, self.step_argmax = len(self.layers), None, None
         if self.decode_weights and 0 < meta.num_decodes == input_ids.shape[0]:
             layer_kv = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (ops run cold here)
             hidden = self._decode_step(input_ids, positions, layer_kv, meta)
@@ -322,8 +325,10 @@ class Qwen3MoeModel(nn.Module):
         kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (an MTP layer's is last)
         flat, _ = padded_tables(tables)
         step = self._latent_step()
-        hidden, logits = step.run_lists(input_ids, kv_cache, positions, slot_blocks, slot_offsets, flat, lens)
-        self.step_logits = (hidden, logits)
+        hidden, logits, best = step.run_lists(
+            input_ids, kv_cache, positions, slot_blocks, slot_offsets, flat, lens
+        )
+        self.step_logits, self.step_argmax = (hidden, logits), (logits, best)
         return hidden
 
     def _collect_decode_weights(self) -> list[torch.Tensor]:

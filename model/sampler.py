@@ -44,6 +44,16 @@ class SamplingSpec:
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with no logprobs and none of step 2-3's controls of its own: its token is the argmax of
+        the logits row unless the row's other controls (a grammar, `banned`) apply."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not (self.penalized or self.logit_bias or self.allowed_token_ids)
+        )
+
 
 @dataclass
 class SampleRow:

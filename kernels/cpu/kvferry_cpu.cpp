@@ -34,6 +34,7 @@
 #include <exception>
 #include <string>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <thread>
 #include <type_traits>
@@ -2018,6 +2019,48 @@ bool team_serves(at::TensorList weights) {
   return true;
 }
 
+// the index of x[0:n]'s largest value, the first of equal ones, a NaN counting as the largest (the first NaN):
+// numpy's argmax, which the sampler's greedy rows take (model/sampler.py argmax_rows)
+int64_t argmax_row(const float* x, int64_t n) {
+  if (n <= 0) return 0;
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(top, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = *std::max_element(lanes, lanes + 8);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) any_nan = true;
+    else best = std::max(best, x[j]);
+  }
+  // the first NaN, else the first value equal to the largest
+  const __m256 b = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hit = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, b, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (any_nan ? std::isnan(x[i]) : x[i] == best) return i;
+  return 0;  // (not reached)
+}
+
+// argmax_row of each row of logits [T, V] (float32; the tests hold it against numpy's argmax)
+std::vector<int64_t> logits_argmax(const at::Tensor& logits_) {
+  check_f32(logits_, "logits");
+  TORCH_CHECK(logits_.dim() == 2, "logits [T, V]");
+  const auto logits = logits_.contiguous();
+  std::vector<int64_t> best(logits.size(0));
+  for (int64_t t = 0; t < logits.size(0); ++t)
+    best[t] = argmax_row(logits.data_ptr<float>() + t * logits.size(1), logits.size(1));
+  return best;
+}
+
 // latent_decode_layers' part that is the model's, not the step's: its weights, embedding, rope tables, final
 // norm and LM head, their shapes and layouts checked once (kvferry_cpu.LatentStep: the model builds one and
 // runs every decode step through it, so a step passes seven tensors, not 16 per layer, and checks only its own
@@ -2048,18 +2091,21 @@ struct LatentStep : torch::CustomClassHolder {
                                          const at::Tensor& block_tables, const at::Tensor& context_lens);
   // run on a step's integers as lists (the engine's decode-only steps: after a step has streamed the weights
   // through the caches, each torch op that builds the step's tensors costs tens of us); block_tables: the
-  // rows [T, width] flat
-  std::tuple<at::Tensor, at::Tensor> run_lists(std::vector<int64_t> input_ids, at::Tensor kv_cache,
-                                               std::vector<int64_t> positions, std::vector<int64_t> slot_blocks,
-                                               std::vector<int64_t> slot_offsets, std::vector<int64_t> block_tables,
-                                               std::vector<int64_t> context_lens) {
+  // rows [T, width] flat. Also each logits row's argmax (argmax_row; empty without the LM head): a greedy
+  // row's token, found while the logits are still in cache (numpy's argmax, called cold, costs ~60 us)
+  std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> run_lists(
+      std::vector<int64_t> input_ids, at::Tensor kv_cache, std::vector<int64_t> positions,
+      std::vector<int64_t> slot_blocks, std::vector<int64_t> slot_offsets, std::vector<int64_t> block_tables,
+      std::vector<int64_t> context_lens) {
     const int64_t T = static_cast<int64_t>(input_ids.size());
     TORCH_CHECK(T > 0 && block_tables.size() % T == 0, "block_tables: one row per token");
     const auto of = [](std::vector<int64_t>& v) {
       return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
     };
-    return run(of(input_ids), kv_cache, of(positions), of(slot_blocks), of(slot_offsets),
-               of(block_tables).view({T, static_cast<int64_t>(block_tables.size()) / T}), of(context_lens));
+    auto [hidden, logits] = run(of(input_ids), kv_cache, of(positions), of(slot_blocks), of(slot_offsets),
+                                of(block_tables).view({T, static_cast<int64_t>(block_tables.size()) / T}),
+                                of(context_lens));
+    return {hidden, logits, logits_argmax(logits)};
   }
 };
 
@@ -2485,6 +2531,7 @@ TORCH_LIBRARY(kvferry_cpu, m) {
   m.def("set_brgemm_min_rows(int rows) -> int", &set_brgemm_min_rows);
   m.def("brgemm_min_rows() -> int", &brgemm_min_rows);
   m.def("set_team_fault(int member, int sync) -> ()", &set_team_fault);
+  m.def("logits_argmax(Tensor logits) -> int[]", &logits_argmax);
   m.def("amx_could_pack() -> bool", &amx_could_pack);
   m.def("brgemm_runs() -> bool", &brgemm_runs);
   m.def("brgemm_layout_check() -> int[]", &brgemm_layout_check);

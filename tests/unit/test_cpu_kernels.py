@@ -425,12 +425,36 @@ def test_a_decode_step_from_lists_equals_the_forward_and_steps_aside_for_a_layer
     hidden = model.decode_lists(ids, positions, *slots, tables, lens, kv_lists)
     assert hidden is not None
     logits = model.compute_logits(hidden)
+    assert model.step_argmax is not None and model.step_argmax[0] is logits
+    assert model.step_argmax[1] == logits.numpy().argmax(-1).tolist()  # each row's greedy token
     forward = model(torch.tensor(ids), torch.tensor(positions), kv, decode_meta(positions, tables, bs))
     assert torch.equal(hidden, forward) and torch.equal(kv_lists, kv)
     assert torch.equal(logits, model.compute_logits(forward))
     seen = []
     model.after_layer = seen.append
     assert model.decode_lists(ids, positions, *slots, tables, lens, kv) is None and not seen
+
+
+def test_the_kernels_argmax_is_numpys_with_ties_nans_and_infinities():
+    """logits_argmax (a list-fed step's greedy tokens) picks what the sampler's numpy argmax picks: the first
+    of equal values, the first NaN before any number, -inf rows, widths that are not a multiple of 8."""
+    inf, nan = float("inf"), float("nan")
+    rows = [
+        torch.randn(8192, generator=GEN),
+        torch.tensor([1.0, 3.0, 3.0, 2.0] * 5),  # a tie: the first
+        torch.tensor([0.0] * 11 + [5.0]),  # the largest in the tail after the 8-wide blocks
+        torch.tensor([-inf] * 13),
+        torch.tensor([1.0, inf, 2.0, inf, nan, 4.0, nan, 0.0, 9.0]),  # the first NaN wins
+        torch.tensor([-0.0, 0.0, -1.0]),  # equal zeros: the first
+        torch.tensor([2.0]),
+    ]
+    for row in rows:
+        assert torch.ops.kvferry_cpu.logits_argmax(row[None]) == row[None].numpy().argmax(-1).tolist(), row
+    batch = torch.randn(5, 1000, generator=GEN)
+    batch[3, 17] = batch[3, 900] = 50.0
+    assert torch.ops.kvferry_cpu.logits_argmax(batch) == batch.numpy().argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="logits"):
+        torch.ops.kvferry_cpu.logits_argmax(torch.zeros(3, 4, dtype=torch.float64))
 
 
 # (the tiny model's step has 36 barriers: 11 in its dense first layer, 12 in each of its two MoE layers, one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -216,3 +217,42 @@ def test_a_batch_without_controls_never_copies_the_logits(monkeypatch):
     logits = torch.randn(4, 16)
     monkeypatch.setattr(torch.Tensor, "clone", lambda self: pytest.fail("copied"))
     assert len(sample(logits, [SampleRow(SamplingSpec(0.0))] * 4)) == 4
+
+
+@pytest.mark.parametrize(
+    ("params", "outputs", "argmax_only"),
+    [
+        ({"temperature": 0.0}, [], True),
+        ({"temperature": 0.7}, [], False),
+        ({"temperature": 0.0, "logprobs": 0}, [], False),
+        ({"temperature": 0.0, "repetition_penalty": 1.2}, [], False),
+        ({"temperature": 0.0, "logit_bias": {5: 3.0}}, [], False),
+        ({"temperature": 0.0, "allowed_token_ids": [1, 2]}, [], False),
+        ({"temperature": 0.0, "min_tokens": 2}, [7], False),  # EOS still banned
+        ({"temperature": 0.0, "min_tokens": 2}, [7, 8], True),
+        ({"temperature": 0.0, "n": 2}, [], False),  # the siblings' first tokens are still to draw
+        ({"temperature": 0.0, "n": 2}, [7], True),
+    ],
+)
+def test_the_runners_argmax_shortcut_samples_what_sample_does(params, outputs, argmax_only):
+    """ModelRunner._sample takes a batch's argmax without building its SampleRows only for rows whose sample
+    is that argmax (greedy, no logprobs, no controls, no siblings to start); its tokens are sample's."""
+    from kvferry.engine.model_runner import ModelRunner
+    from kvferry.engine.request import Request, SamplingParams
+
+    if "logit_bias" in params:
+        params = params | {"logit_bias": tuple(params["logit_bias"].items())}
+    if "allowed_token_ids" in params:
+        params = params | {"allowed_token_ids": tuple(params["allowed_token_ids"])}
+    req = Request("r", [1, 2, 3], SamplingParams(**params), output_token_ids=list(outputs))
+    req.banned_until_min = (0,)  # (EOS)
+    assert ModelRunner._argmax_only(req) is argmax_only
+    if argmax_only:
+        logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+        row = ModelRunner._sample_row(req)
+        assert not row.controlled
+        model = SimpleNamespace(step_argmax=None)
+        runner = SimpleNamespace(model=model, _argmax_only=ModelRunner._argmax_only)
+        assert ModelRunner._sample(runner, logits, 1, [req])[req].token == sample(logits, [row])[0].token
+        runner.model.step_argmax = (logits, [49])  # the argmax a list-fed step found for these logits
+        assert ModelRunner._sample(runner, logits, 1, [req])[req].token == 49
