@@ -349,8 +349,9 @@ int64_t packed_k(const at::Tensor& w) {
 // Where a packed weight's data starts (`expert`: that expert of a packed stack [E, ...]) and how it is stored;
 // the one place that tells the layouts apart.
 struct Packed {
-  const void* data;
-  bool pairs, bf16, i8;
+  const void* data = nullptr;
+  bool pairs = false, bf16 = false, i8 = false;
+  Packed() = default;
   explicit Packed(const at::Tensor& w, int64_t expert = 0)
       : data(static_cast<const char*>(w.data_ptr()) + expert * w.stride(0) * w.element_size()),
         pairs(is_bf16_pairs(w)),
@@ -2061,6 +2062,16 @@ std::vector<int64_t> logits_argmax(const at::Tensor& logits_) {
   return best;
 }
 
+// a layer's weights as latent_layers_team reads them, taken from the tensors once (check_team_weights): a step
+// reads these few lines, not each weight's tensor metadata, which its own weight stream has evicted by the next
+struct TeamLayer {
+  const float *norm = nullptr, *q_a_norm = nullptr, *kv_norm = nullptr, *post_norm = nullptr, *router = nullptr,
+              *bias = nullptr;
+  Packed q_a, q, kv_a, o, mlp13, mlp2;  // q: q_b with a q LoRA; mlp13 / mlp2: the shared experts' or a dense MLP's
+  bool moe = false, shared = false;
+  int64_t width = 0;  // a dense MLP's
+};
+
 // latent_decode_layers' part that is the model's, not the step's: its weights, embedding, rope tables, final
 // norm and LM head, their shapes and layouts checked once (kvferry_cpu.LatentStep: the model builds one and
 // runs every decode step through it, so a step passes seven tensors, not 16 per layer, and checks only its own
@@ -2081,6 +2092,11 @@ struct LatentStep : torch::CustomClassHolder {
   // (team) routed experts and their width, the shared experts' and dense layers' width; each layer's W_uk / W_uv
   int64_t E = 0, I = 0, Is = 0, Id = 0;
   std::vector<Absorbed> up;
+  // (team) each layer's TeamLayer; the routed experts' packed weights, [L, E, 2] (w13, w2); the final norm and LM head
+  std::vector<TeamLayer> layers;
+  std::vector<Packed> experts;
+  const float* final_norm_p = nullptr;
+  Packed head;
 
   LatentStep(at::Tensor embed_, std::vector<at::Tensor> weights_, at::Tensor cos_, at::Tensor sin_,
              at::Tensor final_norm_, std::vector<int64_t> dims_, double eps_, double scale_, int64_t top_k_,
@@ -2160,6 +2176,42 @@ void check_team_weights(LatentStep& s) {
   s.Is = Is;
   s.Id = Id;
   s.up = std::move(up);
+  s.layers.assign(L, TeamLayer{});
+  s.experts.assign(L * E * 2, Packed{});
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * LatentStep::PER_LAYER;
+    TeamLayer& t = s.layers[l];
+    t.norm = w[0].data_ptr<float>();
+    t.kv_norm = w[5].data_ptr<float>();
+    t.post_norm = w[9].data_ptr<float>();
+    if (lora) {
+      t.q_a_norm = w[2].data_ptr<float>();
+      t.q_a = Packed(w[1]);
+    }
+    t.q = Packed(w[3]);
+    t.kv_a = Packed(w[4]);
+    t.o = Packed(w[8]);
+    t.moe = w[10].numel() > 0;
+    t.shared = t.moe && w[14].numel() > 0;
+    if (t.moe) {
+      t.router = w[10].data_ptr<float>();
+      t.bias = w[11].data_ptr<float>();
+      for (int64_t e = 0; e < E; ++e) {
+        s.experts[(l * E + e) * 2] = Packed(w[12], e);
+        s.experts[(l * E + e) * 2 + 1] = Packed(w[13], e);
+      }
+      if (t.shared) {
+        t.mlp13 = Packed(w[14]);
+        t.mlp2 = Packed(w[15]);
+      }
+    } else {
+      t.mlp13 = Packed(w[12]);
+      t.mlp2 = Packed(w[13]);
+      t.width = packed_k(w[13]);
+    }
+  }
+  s.final_norm_p = s.final_norm.data_ptr<float>();
+  if (s.lm_head.numel() > 0) s.head = Packed(s.lm_head);
 }
 
 // latent_decode_layers on a float32 latent cache: the whole step in one parallel region (Team). Each layer is
@@ -2170,9 +2222,6 @@ void check_team_weights(LatentStep& s) {
 at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* const* first, float* const* second,
                               const LatentRows& lr0, const float* cosp, const float* sinp, const int64_t* sbp,
                               const int64_t* sop, int64_t num_blocks, int64_t bs, float* logits_out) {
-  constexpr int64_t PER_LAYER = LatentStep::PER_LAYER;
-  const auto& weights = s.weights;
-  const at::Tensor &final_norm = s.final_norm, &lm_head = s.lm_head;
   const int64_t heads = s.heads, nope = s.nope, rope = s.rope, rank = s.rank, vd = s.vd, qa = s.qa;
   const int64_t L = s.L, H = x_.size(1), T = x_.size(0), top_k = s.top_k, vocab = s.vocab;
   const int64_t qk = nope + rope, W = rank + rope, Q = heads * qk, HV = heads * vd;
@@ -2195,14 +2244,13 @@ at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* 
   std::vector<int64_t> ids(A);
   auto out = at::empty({T, H}, x_.options());
   float *xp = x_.data_ptr<float>(), *outp = out.data_ptr<float>();
-  const at::Tensor* w0 = weights.data();
-  const Packed q_in(lora ? w0[1] : w0[3]);  // the layouts (uniform_layout: one for all)
+  const Packed q_in = lora ? s.layers[0].q_a : s.layers[0].q;  // the layouts (uniform_layout: one for all)
   Act a_h(hp, H, H, T, q_in), a_qa(qa_n, qa, qa, T, q_in), a_att(att, HV, HV, T, q_in), a_h2(h2, H, H, T, q_in),
       a_g(xs, H, H, A, q_in), a_hr(h13, 2 * I, I, A, q_in), a_hs(hs13, 2 * Iw, Is, T, q_in),
       a_hd(hs13, 2 * Iw, Id, T, q_in);  // (the shared experts' and a dense layer's hidden rows share a buffer)
 
   const bool head = logits_out != nullptr;  // the LM head too: a last GEMM phase over the vocabulary's blocks
-  Act a_out(outp, H, H, T, head ? Packed(lm_head) : q_in);
+  Act a_out(outp, H, H, T, head ? s.head : q_in);
 
   run_team([&](Member& me) {
     const int64_t t0 = me.lo(T), t1 = me.hi(T), n = t1 - t0;
@@ -2218,30 +2266,31 @@ at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* 
           combine_token(t, top_k, ids.data(), wts, row_of.data(), y, ysp, H, xo + t * H, terms);
     };
     for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor* w = weights.data() + l * PER_LAYER;
+      const TeamLayer& w = s.layers[l];
+      const Packed* ex = s.experts.data() + l * E * 2;  // (an MoE layer's)
       // the input norm (the first layer: of the embeddings, which start the residual stream)
       if (l == 0) {
-        rms_norm_rows(xp + t0 * H, H, n, H, w[0].data_ptr<float>(), eps, hp + t0 * H, H);
+        rms_norm_rows(xp + t0 * H, H, n, H, w.norm, eps, hp + t0 * H, H);
       } else {
         finish_mlp();
-        add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, w[0].data_ptr<float>(), eps, hp + t0 * H);
+        add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, w.norm, eps, hp + t0 * H);
       }
       a_h.fill(t0, t1);
       me.sync();
       jobs.clear();
       if (lora)
-        jobs.push_back({Packed(w[1]), a_h.rows(), T, a_h.K, qa, qa_raw, qa});
+        jobs.push_back({w.q_a, a_h.rows(), T, a_h.K, qa, qa_raw, qa});
       else
-        jobs.push_back({Packed(w[3]), a_h.rows(), T, a_h.K, Q, qp, Q});
-      jobs.push_back({Packed(w[4]), a_h.rows(), T, a_h.K, W, lat, W});
+        jobs.push_back({w.q, a_h.rows(), T, a_h.K, Q, qp, Q});
+      jobs.push_back({w.kv_a, a_h.rows(), T, a_h.K, W, lat, W});
       run_jobs(jobs.data(), jobs.size(), me);
       me.sync();
-      rms_norm_rows(lat + t0 * W, W, n, rank, w[5].data_ptr<float>(), eps, cp + t0 * rank, rank);
+      rms_norm_rows(lat + t0 * W, W, n, rank, w.kv_norm, eps, cp + t0 * rank, rank);
       if (lora) {
-        rms_norm_rows(qa_raw + t0 * qa, qa, n, qa, w[2].data_ptr<float>(), eps, qa_n + t0 * qa, qa);
+        rms_norm_rows(qa_raw + t0 * qa, qa, n, qa, w.q_a_norm, eps, qa_n + t0 * qa, qa);
         a_qa.fill(t0, t1);
         me.sync();
-        const GemmJob q_b{Packed(w[3]), a_qa.rows(), T, a_qa.K, Q, qp, Q};
+        const GemmJob q_b{w.q, a_qa.rows(), T, a_qa.K, Q, qp, Q};
         run_jobs(&q_b, 1, me);
         me.sync();
       }
@@ -2260,16 +2309,16 @@ at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* 
         a_att.fill(t0, t1);
         me.sync();
       }
-      const GemmJob o{Packed(w[8]), a_att.rows(), T, a_att.K, H, op, H};
+      const GemmJob o{w.o, a_att.rows(), T, a_att.K, H, op, H};
       run_jobs(&o, 1, me);
       me.sync();
       // the post-attention norm; routing
-      add_rms_norm_rows(op + t0 * H, xp + t0 * H, n, H, w[9].data_ptr<float>(), eps, h2 + t0 * H);
+      add_rms_norm_rows(op + t0 * H, xp + t0 * H, n, H, w.post_norm, eps, h2 + t0 * H);
       a_h2.fill(t0, t1);
-      const bool moe = w[10].numel() > 0, shared = moe && w[14].numel() > 0;
+      const bool moe = w.moe, shared = w.shared;
       if (moe) {
-        router_logits_rows(h2, t0, t1, H, w[10].data_ptr<float>(), E, logits);
-        grouped_topk_rows(logits, t0, t1, E, w[11].data_ptr<float>(), top_k, s.renormalize, s.n_group,
+        router_logits_rows(h2, t0, t1, H, w.router, E, logits);
+        grouped_topk_rows(logits, t0, t1, E, w.bias, top_k, s.renormalize, s.n_group,
                           s.topk_group, s.routed_scaling, wts, ids.data());
       }
       me.sync();
@@ -2290,11 +2339,11 @@ at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* 
         me.sync();
         for (int64_t e = 0; e < E; ++e)
           if (start[e + 1] > start[e])
-            jobs.push_back({Packed(w[12], e), a_g.rows(start[e]), start[e + 1] - start[e], H, 2 * I,
+            jobs.push_back({ex[e * 2], a_g.rows(start[e]), start[e + 1] - start[e], H, 2 * I,
                             h13 + start[e] * 2 * I, 2 * I});
       }
-      const int64_t In = moe ? Is : packed_k(w[13]);  // the shared experts' or the dense MLP's width
-      if (!moe || shared) jobs.push_back({Packed(moe ? w[14] : w[12]), a_h2.rows(), T, H, 2 * In, hs13, 2 * Iw});
+      const int64_t In = moe ? Is : w.width;  // the shared experts' or the dense MLP's width
+      if (!moe || shared) jobs.push_back({w.mlp13, a_h2.rows(), T, H, 2 * In, hs13, 2 * Iw});
       run_jobs(jobs.data(), jobs.size(), me);
       me.sync();
       // SiLU * up of every routed row, then of the shared / dense rows
@@ -2314,20 +2363,20 @@ at::Tensor latent_layers_team(const LatentStep& s, const at::Tensor& x_, float* 
         for (int64_t e = 0; e < E; ++e)
           if (start[e + 1] > start[e])
             jobs.push_back(
-                {Packed(w[13], e), a_hr.rows(start[e]), start[e + 1] - start[e], I, H, y + start[e] * H, H});
+                {ex[e * 2 + 1], a_hr.rows(start[e]), start[e + 1] - start[e], I, H, y + start[e] * H, H});
       if (!moe || shared)
-        jobs.push_back({Packed(moe ? w[15] : w[13]), (moe ? a_hs : a_hd).rows(), T, In, H, moe ? ys : xo, H});
+        jobs.push_back({w.mlp2, (moe ? a_hs : a_hd).rows(), T, In, H, moe ? ys : xo, H});
       run_jobs(jobs.data(), jobs.size(), me);
       me.sync();
       routed = moe;
       ysp = shared ? ys : nullptr;
     }
     finish_mlp();
-    add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, final_norm.data_ptr<float>(), eps, outp + t0 * H);
+    add_rms_norm_rows(xo + t0 * H, xp + t0 * H, n, H, s.final_norm_p, eps, outp + t0 * H);
     if (head) {
       a_out.fill(t0, t1);
       me.sync();
-      const GemmJob lm{Packed(lm_head), a_out.rows(), T, H, vocab, logits_out, vocab};
+      const GemmJob lm{s.head, a_out.rows(), T, H, vocab, logits_out, vocab};
       run_jobs(&lm, 1, me);
     }
   });
