@@ -2021,7 +2021,7 @@ bool team_serves(at::TensorList weights) {
 }
 
 // the index of x[0:n]'s largest value, the first of equal ones, a NaN counting as the largest (the first NaN):
-// numpy's argmax, which the sampler's greedy rows take (model/sampler.py argmax_rows)
+// numpy's argmax, which the sampler's greedy rows take (model/sampler.py argmax_rows); 0 for an empty row
 int64_t argmax_row(const float* x, int64_t n) {
   if (n <= 0) return 0;
   __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
@@ -2125,7 +2125,8 @@ struct LatentStep : torch::CustomClassHolder {
   }
 };
 
-// the team's weight checks (LatentStep's constructor, where team_serves): shapes and layouts, once
+// the team's weight checks (LatentStep's constructor, where team_serves): shapes and layouts, once; then the
+// pointers and layouts the team reads (layers, experts, final_norm_p, head)
 void check_team_weights(LatentStep& s) {
   const int64_t H = s.H, L = s.L, heads = s.heads, nope = s.nope, rank = s.rank, vd = s.vd, qa = s.qa;
   const int64_t Q = heads * (nope + s.rope), W = rank + s.rope, HV = heads * vd;
