@@ -2031,9 +2031,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     top = _mm256_max_ps(top, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float best = *std::max_element(lanes, lanes + 8);
+  float best = kvferry_cpu::hmax8(top);
   bool any_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t j = i; j < n; ++j) {
     if (std::isnan(x[j])) any_nan = true;

@@ -76,12 +76,7 @@ inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_p
 inline V16 add16(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 sub16(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 exp_16(V16 a) { return {kvferry_cpu::exp8(a.lo), kvferry_cpu::exp8(a.hi)}; }
-inline float hmax8(__m256 a) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline float max16(V16 a) { return hmax8(_mm256_max_ps(a.lo, a.hi)); }
+inline float max16(V16 a) { return kvferry_cpu::hmax8(_mm256_max_ps(a.lo, a.hi)); }
 inline float sum16(V16 a) {
   const __m256 s = _mm256_add_ps(a.lo, a.hi);
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
