@@ -184,6 +184,16 @@ class MtpLayer(nn.Module):
 
 class Qwen3MoeModel(nn.Module):
     PACKED = ("lm_head",)
+    # attributes that change every step and are never a parameter, buffer or module: set without
+    # nn.Module.__setattr__'s lookups (after a step has streamed the weights through the caches, each one
+    # costs microseconds)
+    STEP_STATE = frozenset({"step_logits", "step_argmax", "after_layer"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in Qwen3MoeModel.STEP_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, parallel: Parallel | None = None):
         super().__init__()
@@ -321,7 +331,7 @@ class Qwen3MoeModel(nn.Module):
         Not under `inference_mode`: nothing it takes requires grad; its outputs are plain tensors.)"""
         if not (self.cfg.mla and self.decode_weights and tables and self.after_layer is None):
             return None
-        layers = len(self.layers)
+        layers = self.cfg.num_layers  # (len(self.layers): nn.Module's __getattr__, slow here)
         kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]  # (an MTP layer's is last)
         flat, _ = padded_tables(tables)
         step = self._latent_step()
