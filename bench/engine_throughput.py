@@ -5,7 +5,9 @@ baseline runs `generate` on static batches of 32 in the same process. Both sides
 interleaved, on fresh prompts each time (so no prefix-cache hits); the best run of each side counts,
 which keeps a noisy shared machine from deciding the ratio. The batch-1 decode step is held against the memory
 roofline (the bytes it reads at the machine's copy bandwidth): --step-repeats step / memcpy pairs, measured
-alternately, the best of each. Last line: one JSON object.
+alternately, the best of each; the step is timed one step per scheduler step (the engine's default) and in
+bursts of --num-scheduler-steps (multi-step decode, `EngineConfig.num_scheduler_steps`). Last line: one
+JSON object.
 
     python bench/engine_throughput.py [--model bench] [--dtype auto] [--repeats 2]
 """
@@ -13,6 +15,7 @@ alternately, the best of each. Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -94,6 +97,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2, help="best of N, runs interleaved")
     ap.add_argument("--step-repeats", type=int, default=5, help="batch-1 step / memcpy pairs, best of each")
+    ap.add_argument(
+        "--num-scheduler-steps", type=int, default=8, help="the multi-step batch-1 figure's steps a burst"
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = ap.parse_args()
 
@@ -123,11 +129,16 @@ def main() -> None:
         )
     # the batch-1 step and the bandwidth it is held against, measured alternately, the best of each counting
     # (a shared machine's bandwidth and its neighbours' load drift over seconds, as the throughput runs do)
-    step_runs, memcpy_runs = [], []
+    single = engine.cfg
+    multi = dataclasses.replace(single, num_scheduler_steps=args.num_scheduler_steps)
+    step_runs, multi_runs, memcpy_runs = [], [], []
     for _ in range(max(1, args.step_repeats)):
         step_runs.append(decode_step_ms_at_batch_1(engine))
+        engine.cfg = multi
+        multi_runs.append(decode_step_ms_at_batch_1(engine))
+        engine.cfg = single
         memcpy_runs.append(memcpy_gbps())
-    step_ms, bandwidth = min(step_runs), max(memcpy_runs)
+    step_ms, multi_ms, bandwidth = min(step_runs), min(multi_runs), max(memcpy_runs)
     # the bytes the step reads: weights as stored (the CPU kernels keep bf16-exact weights in bf16), and
     # the KV (MLA: latent) cache of the step's mean context
     cfg = engine.model.cfg
@@ -151,10 +162,14 @@ def main() -> None:
             "decode_step_ms_at_batch_1": round(step_ms, 3),
             "roofline_ms_at_batch_1": round(roofline_ms, 3),
             "step_vs_roofline": round(step_ms / roofline_ms, 3),
+            "num_scheduler_steps": args.num_scheduler_steps,
+            "multi_step_ms_at_batch_1": round(multi_ms, 3),
+            "multi_step_vs_roofline": round(multi_ms / roofline_ms, 3),
             "weight_mb_per_step": round(step_bytes / 2**20, 2),
             "kv_cache_mb_per_step": round(cache_bytes / 2**20, 3),
             "memcpy_gbps": round(bandwidth, 2),
             "step_runs_ms": [round(t, 3) for t in step_runs],
+            "multi_step_runs_ms": [round(t, 3) for t in multi_runs],
             "memcpy_runs_gbps": [round(b, 2) for b in memcpy_runs],
         },
         args.out,

@@ -131,6 +131,16 @@ class EngineConfig:
             roles=("decode",),
         ),
     )
+    # vLLM's --num-scheduler-steps (multi-step scheduling): LLMEngine._burst_steps says when it applies
+    num_scheduler_steps: int = field(
+        default=1,
+        metadata=meta(
+            "decode steps per scheduler step while every running request is a plain greedy decode and none "
+            "waits (one call of the C++ step for DeepSeek-V3-shaped models on CPU, else a forward pass a "
+            "step; not with an MTP layer or across ranks): less Python a token, tokens streamed in bursts",
+            roles=("decode",),
+        ),
+    )
     # a cluster file may give the mapping (engine.spec_decode); tokens are decoded on the decode groups only
     speculative_config: str | dict | None = field(
         default=None,
@@ -166,6 +176,7 @@ class EngineConfig:
             "tensor_parallel_size",
             "expert_parallel_size",
             "stream_interval",
+            "num_scheduler_steps",
         ):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -427,13 +438,19 @@ class LLMEngine:
             layers = self.kv.layers_hook
             model.after_layer = None if layers is None else layers(batch)
             tokens, pairs, t0 = batch.num_tokens, step_pairs(batch.work), time.perf_counter()
-            try:
-                sampled = self.runner.run(batch)
-            finally:
-                model.after_layer = None
-            outputs += self._update(batch, sampled)
-            self.step_costs.observe(tokens, pairs, (time.perf_counter() - t0) * 1e3)
-            self.num_steps += 1
+            burst = self._burst(batch) if model.after_layer is None else None
+            if burst is not None:
+                outputs += self._update_burst(batch, burst)
+                steps = len(burst)
+            else:
+                try:
+                    sampled = self.runner.run(batch)
+                finally:
+                    model.after_layer = None
+                outputs += self._update(batch, sampled)
+                steps = 1
+            self.step_costs.observe(tokens, pairs, (time.perf_counter() - t0) * 1e3 / steps)
+            self.num_steps += steps
         elif join:
             self.runner.execute(StepInputs())
             self.num_steps += 1
@@ -474,13 +491,59 @@ class LLMEngine:
                 finished = self._add_verified(req, state, out)
             else:
                 finished = state.add_token(out.token, out.logprob)
-            if finished is not None:
-                if self.kv.finished_hook is not None:
-                    self.kv.finished_hook(req)
-                self.scheduler.finish(req, finished)
-                outputs.append(self._finish_output(state))
-            else:
-                outputs.append(state.emit())
+            outputs.append(self._output(req, state, finished))
+        return outputs
+
+    def _output(self, req: Request, state: OutputState, finished: RequestStatus | None) -> RequestOutput:
+        """The step's output of `req`, finishing it where `finished` says (its blocks freed)."""
+        if finished is None:
+            return state.emit()
+        if self.kv.finished_hook is not None:
+            self.kv.finished_hook(req)
+        self.scheduler.finish(req, finished)
+        return self._finish_output(state)
+
+    def _burst(self, batch: ScheduledBatch) -> list[list[int]] | None:
+        """Multi-step decode (`num_scheduler_steps`): where every running request is in `batch` as a plain
+        greedy decode (no drafts, logprobs, grammar or tokens banned), none waits to be admitted and each
+        has the blocks for them, up to that many decode steps in one call of the model (as many as every
+        request's `max_tokens` and the model length leave room for). Each step's tokens; None: step once."""
+        steps = self.cfg.num_scheduler_steps
+        if steps <= 1 or not self.runner.bursts or self.proposer is not None:
+            return None
+        if self.scheduler.waiting or batch.preempted:
+            return None
+        if len(batch.work) != len(self.scheduler.running):
+            return None
+        for req, n in batch.work:
+            if n != 1 or req.spec_tokens or req.num_computed_tokens != req.num_tokens - 1:
+                return None
+            params = req.params
+            if params.logprobs is not None or params.prompt_logprobs is not None or not req.output_token_ids:
+                return None
+            if not self.runner.argmax_only(req):  # (past min_tokens from here on, if it is now)
+                return None
+            # the tokens it may still get: max_tokens and the model length bound the burst
+            room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            steps = min(steps, room)
+        if steps <= 1 or not all(self.block_manager.allocate(req, steps) for req, _ in batch.work):
+            return None
+        return self.runner.run_burst([req for req, _ in batch.work], steps)
+
+    def _update_burst(self, batch: ScheduledBatch, burst: list[list[int]]) -> list[RequestOutput]:
+        """`_update` for a burst's steps: each request takes its tokens in order up to the first that
+        finishes it (the K/V of the steps after that one was computed into its own blocks, which it frees)."""
+        outputs = []
+        for i, (req, _) in enumerate(batch.work):
+            state = self.states[req.request_id]
+            finished = None
+            for tokens in burst:
+                req.num_computed_tokens += 1
+                finished = state.add_token(tokens[i])
+                if finished is not None:
+                    break
+            self.block_manager.commit(req)
+            outputs.append(self._output(req, state, finished))
         return outputs
 
     def _add_verified(self, req: Request, state: OutputState, tokens: list[Sampled]) -> RequestStatus | None:

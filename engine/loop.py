@@ -73,7 +73,8 @@ class EngineLoop(threading.Thread):
 
     Pacing (`step_interval_ms`, a decode worker's EngineConfig.decode_step_interval_ms): with
     PACE_MIN_RUNNING or more requests running, a step starts no sooner than the interval after the
-    previous one. A decode step's cost is mostly the weights it reads, whatever its batch, so a slower
+    previous one (a pass of several decode steps, multi-step decode, that many intervals after it). A
+    decode step's cost is mostly the weights it reads, whatever its batch, so a slower
     cadence carries more tokens per step (Little's law: the batch grows with the time a request stays)
     for the same reads, and the time between steps goes to the processes that share the cores
     (prefill, on one host). Fewer running requests (one stream alone) step at full speed.
@@ -113,6 +114,7 @@ class EngineLoop(threading.Thread):
         self.last_step = 0.0
         self.step_interval_ms = 0.0  # observed: the running mean of the time between busy steps
         self._busy_since: float | None = None
+        self._busy_steps = 1  # the decode steps of the pass that started at _busy_since
         self.prefill_mark: PrefillMark | None = None  # a prefill loop on a shared host
         self.host_prefill: HostPrefill | None = None  # a decode loop on a shared host
         self.yield_s = 0.0
@@ -197,7 +199,7 @@ class EngineLoop(threading.Thread):
                 try:
                     outputs = self.engine.step(join=self.sync is not None)
                     if self.engine.num_steps > steps:  # a forward pass ran (not just queue bookkeeping)
-                        self._interval(start)
+                        self._interval(start, self.engine.num_steps - steps)
                 except Exception as err:
                     log.exception("engine step failed")
                     if self.on_error is not None:
@@ -212,21 +214,22 @@ class EngineLoop(threading.Thread):
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
 
-    def _interval(self, now: float) -> None:
+    def _interval(self, now: float, steps: int = 1) -> None:
         """The running mean of the time between the starts of consecutive forward passes with no idle
         wait between them (a decode's TPOT as its streams see it: the step, the pacing, and whatever
-        else took the cores meanwhile)."""
+        else took the cores meanwhile), a pass of several decode steps (multi-step decode) counted as
+        that many; `steps`: the pass starting `now`."""
         if self._busy_since is not None:
-            ms = (now - self._busy_since) * 1e3
+            ms = (now - self._busy_since) * 1e3 / self._busy_steps
             if self.step_interval_ms:
                 self.step_interval_ms += INTERVAL_WEIGHT * (ms - self.step_interval_ms)
             else:
                 self.step_interval_ms = ms
-        self._busy_since = now
+        self._busy_since, self._busy_steps = now, steps
 
     def _pace(self) -> None:
         if self.step_interval_s and len(self.engine.scheduler.running) >= PACE_MIN_RUNNING:
-            left = self.last_step + self.step_interval_s - time.perf_counter()
+            left = self.last_step + self.step_interval_s * self._busy_steps - time.perf_counter()
             if left > 0:
                 self.stopped.wait(left)
         if self.host_prefill is not None and self.last_step:

@@ -162,6 +162,50 @@ class ModelRunner:
             return verified
         return self._sample(logits, num_sampled, sampled_reqs) | verified
 
+    @property
+    def bursts(self) -> bool:
+        """Whether `run_burst` serves: a decode step is one forward pass of this process alone (not with an
+        MTP layer's rows, nor on a tensor- or expert-parallel group, whose ranks step together)."""
+        model = self.model
+        return self.broadcast_step is None and model.mtp is None and model.parallel.ep.size == 1
+
+    def run_burst(self, reqs: Sequence[Request], steps: int) -> list[list[int]] | None:
+        """`steps` greedy decode steps of `reqs` without the scheduler or the sampler in between (multi-step
+        decode): each request decodes its last token, then each token the step before gave it (its
+        logits row's argmax, the greedy sampler's rule); its blocks must hold every position. The one-call
+        C++ step runs them all in one call (`decode_burst`); any other model, one forward pass a step. Each
+        step's tokens, in `reqs`' order; None where it does not serve (`bursts`)."""
+        model = self.model
+        if not self.bursts:
+            return None
+        input_ids, positions, tables, lens = [], [], [], []
+        for req in reqs:
+            start = req.num_computed_tokens
+            input_ids += req.token_ids(start, 1)
+            positions.append(start)
+            tables.append(req.block_ids)
+            lens.append(start + 1)
+        burst = model.decode_burst(input_ids, positions, tables, lens, self.kv_cache, steps)
+        if burst is not None:
+            return burst
+        burst, bs, rows = [], self.block_size, list(range(len(reqs)))
+        for _ in range(steps):
+            step = StepInputs(
+                input_ids=input_ids,
+                positions=positions,
+                slot_blocks=[table[p // bs] for table, p in zip(tables, positions, strict=True)],
+                slot_offsets=[p % bs for p in positions],
+                decode_tables=tables,
+                decode_lens=lens,
+                sample_rows=rows,
+            )
+            logits = self.execute(step)
+            known, model.step_argmax = model.step_argmax, None
+            input_ids = known[1] if known is not None and known[0] is logits else argmax_rows(logits)
+            burst.append(input_ids)
+            positions, lens = [p + 1 for p in positions], [n + 1 for n in lens]
+        return burst
+
     def _recompute_for_mtp(self, req: Request, start: int) -> bool:
         """Whether `req`'s step starts one token early for the MTP layer: its first token's MTP row needs
         the hidden state of the token before, which this process does not hold (a prefix-cache hit, KV
@@ -209,7 +253,7 @@ class ModelRunner:
         if num_sampled < logits.shape[0]:  # (not a view when every row is sampled: each op costs tens of us)
             logits = logits[:num_sampled]
         known, self.model.step_argmax = self.model.step_argmax, None
-        if all(map(self._argmax_only, sampled_reqs)):  # (no SampleRow: cold, each Python line costs us)
+        if all(map(self.argmax_only, sampled_reqs)):  # (no SampleRow: cold, each Python line costs us)
             best = known[1] if known is not None and known[0] is logits else argmax_rows(logits)
             return dict(zip(sampled_reqs, map(Sampled, best), strict=True))
         rows = [self._sample_row(r) for r in sampled_reqs]
@@ -237,7 +281,7 @@ class ModelRunner:
         return dict(zip(sampled_reqs, sample(logits, rows), strict=True))
 
     @staticmethod
-    def _argmax_only(req: Request) -> bool:
+    def argmax_only(req: Request) -> bool:
         """Whether `req`'s token this step is its logits row's argmax, as `sample` would find it: a plain
         greedy request (`SamplingSpec.plain_greedy`) with no grammar, no tokens banned until `min_tokens`
         (`_sample_row`'s rule) and no sibling sequences still to start."""

@@ -341,6 +341,32 @@ class Qwen3MoeModel(nn.Module):
         self.step_logits, self.step_argmax = (hidden, logits), (logits, best)
         return hidden
 
+    def decode_burst(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        lens: list[int],
+        kv_cache: torch.Tensor,
+        steps: int,
+    ) -> list[list[int]] | None:
+        """`steps` greedy decode steps in one call (`decode_lists`' path, `LatentStep.run_burst`): step j's
+        tokens are step j - 1's argmax, each at the next position, its K/V in the slot its block table gives
+        (`tables` must hold every position the call computes). Each step's tokens; None where that path does
+        not serve (then the caller steps one at a time)."""
+        if not (self.cfg.mla and self.decode_weights and tables and self.after_layer is None):
+            return None
+        if self.lm_head.numel() == 0:
+            return None
+        layers = self.cfg.num_layers
+        kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]
+        flat, _ = padded_tables(tables)
+        counts = [len(table) for table in tables]
+        tokens = self._latent_step().run_burst(input_ids, kv_cache, positions, flat, counts, lens, steps)
+        self.step_logits, self.step_argmax = None, None
+        width = len(input_ids)
+        return [tokens[j * width : (j + 1) * width] for j in range(steps)]
+
     def _collect_decode_weights(self) -> list[torch.Tensor]:
         """The weights `decode_layers` takes, 9 per layer (`latent_decode_layers`: 16); empty where a layer
         is not one it runs (tensor or expert parallelism)."""

@@ -2121,6 +2121,43 @@ struct LatentStep : torch::CustomClassHolder {
                                 of(context_lens));
     return {hidden, logits, logits_argmax(logits)};
   }
+  // `steps` greedy decode steps in one call (the engine's multi-step decode, EngineConfig.num_scheduler_steps):
+  // step j's tokens are step j - 1's argmax (argmax_row, the greedy sampler's rule), its positions and context
+  // lengths one more, its KV slot its block table's entry for its position. block_tables: the rows [T, width]
+  // flat (padded); counts: each row's own blocks, which must hold every position the call computes. The
+  // tokens sampled [steps * T], step by step.
+  std::vector<int64_t> run_burst(std::vector<int64_t> input_ids, at::Tensor kv_cache, std::vector<int64_t> positions,
+                                 std::vector<int64_t> block_tables, std::vector<int64_t> counts,
+                                 std::vector<int64_t> context_lens, int64_t steps) {
+    const int64_t T = static_cast<int64_t>(input_ids.size());
+    TORCH_CHECK(T > 0 && steps > 0, "run_burst: at least one token and one step");
+    TORCH_CHECK(block_tables.size() % T == 0 && static_cast<int64_t>(positions.size()) == T &&
+                    static_cast<int64_t>(counts.size()) == T && static_cast<int64_t>(context_lens.size()) == T,
+                "run_burst: one position, block count, context length and block table row per token");
+    TORCH_CHECK(lm_head.numel() > 0, "run_burst: a model with its LM head");
+    TORCH_CHECK(kv_cache.dim() == 6, "kv_cache [L, 2, 1, blocks, bs, W/2]");
+    const int64_t width = static_cast<int64_t>(block_tables.size()) / T, bs = kv_cache.size(4);
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(counts[t] <= width && positions[t] >= 0 && positions[t] + steps <= counts[t] * bs,
+                  "run_burst: a row's blocks do not hold the positions of every step");
+    std::vector<int64_t> slot_blocks(T), slot_offsets(T), tokens;
+    tokens.reserve(steps * T);
+    for (int64_t j = 0; j < steps; ++j) {
+      for (int64_t t = 0; t < T; ++t) {
+        slot_blocks[t] = block_tables[t * width + positions[t] / bs];
+        slot_offsets[t] = positions[t] % bs;
+      }
+      auto best = std::get<2>(run_lists(input_ids, kv_cache, positions, slot_blocks, slot_offsets, block_tables,
+                                        context_lens));
+      tokens.insert(tokens.end(), best.begin(), best.end());
+      input_ids = std::move(best);
+      for (int64_t t = 0; t < T; ++t) {
+        ++positions[t];
+        ++context_lens[t];
+      }
+    }
+    return tokens;
+  }
 };
 
 // the team's weight checks (LatentStep's constructor, where team_serves): shapes and layouts, once; then the
@@ -2568,7 +2605,8 @@ TORCH_LIBRARY(kvferry_cpu, m) {
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>,
                        double, double, int64_t, bool, int64_t, int64_t, double, at::Tensor, int64_t>())
       .def("run", &LatentStep::run)
-      .def("run_lists", &LatentStep::run_lists);
+      .def("run_lists", &LatentStep::run_lists)
+      .def("run_burst", &LatentStep::run_burst);
   m.def("packed_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_bf16_pairs(Tensor w) -> Tensor");

@@ -305,6 +305,22 @@ def test_stream_interval_sends_tokens_in_groups(redis_server, tiny_model_dir, tm
             assert got.messages < tokens // 2
 
 
+def test_multi_step_decode_streams_each_burst_in_one_message(redis_server, tiny_model_dir, tmp_path, engine):
+    """Decode workers with `num_scheduler_steps` 8 (multi-step decode): a request alone decodes in bursts
+    of 8 steps, each burst's tokens one message; the tokens are the offline engine's (one step at a
+    time)."""
+    steps, tokens = 8, 27
+    decode = WorkerGroupSettings(engine={**ENGINE, "num_scheduler_steps": steps})
+    cfg = make_cluster_config(tiny_model_dir, redis_server.url, "test-multi-step", decode=decode)
+    with LocalCluster(cfg, log_dir=tmp_path, quiet=True) as cluster, Client(cluster.router_addr) as client:
+        for seed in range(2):
+            ids = random_prompt(950 + seed, 20 + 9 * seed)
+            got = client.generate(greedy(ids, max_tokens=tokens), timeout=60)
+            assert got.token_ids == offline(engine, ids, max_tokens=tokens)
+            # the prefill's token, then the decode's 26 in bursts of 8 (the last 2), and the finish
+            assert got.messages <= 1 + -(-(tokens - 1) // steps) + 1, got.messages
+
+
 @pytest.mark.parametrize(
     ("colocated", "proposer"),
     [(False, "ngram"), (True, "ngram"), (False, "draft")],

@@ -120,6 +120,35 @@ def test_all_at_once(checkpoint, prompts, reference):
     assert run_all(make_engine(checkpoint), prompts) == reference
 
 
+def test_multi_step_decode(checkpoint, prompts, reference):
+    """num_scheduler_steps=8: decode bursts (one call of the C++ step for DeepSeek-V3 without an MTP layer,
+    a forward pass a step for the others; none with an MTP layer), exact all at once and staggered (a
+    waiting request stops bursts until it is admitted); a stop token inside a burst ends each request at
+    it, the K/V of the burst's later steps freed with its blocks."""
+    engine = make_engine(checkpoint, num_scheduler_steps=8)
+    bursts = []
+    run_burst = engine.runner.run_burst
+
+    def counted(reqs, steps):
+        out = run_burst(reqs, steps)
+        bursts.append(out is not None and len(out) == steps)
+        return out
+
+    engine.runner.run_burst = counted
+    assert run_all(engine, prompts) == reference
+    assert run_all(engine, prompts, stagger=3) == reference
+    model = engine.runner.model
+    assert engine.runner.bursts == (model.mtp is None)
+    assert all(bursts) and len(bursts) >= (4 if model.mtp is None else 0)  # (31 decode steps: 4 bursts)
+    stop = reference[3][11]  # a token inside the fourth prompt's second burst
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    done = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    expect = [ref[: ref.index(stop) + 1] if stop in ref else ref for ref in reference]
+    assert [d.output_token_ids for d in done] == expect
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants()
+
+
 def test_after_prefix_cache_hit(checkpoint, prompts, reference):
     engine = make_engine(checkpoint)
     assert run_all(engine, prompts[:1]) == reference[:1]

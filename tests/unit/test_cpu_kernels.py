@@ -439,6 +439,39 @@ def test_a_decode_step_from_lists_equals_the_forward_and_steps_aside_for_a_layer
     assert "after_layer" in vars(model)
 
 
+def test_a_decode_burst_equals_that_many_steps_and_stays_in_its_blocks(tiny_deepseek_nolora_dir):
+    """decode_burst (multi-step decode): each step's tokens and the cache equal decode_lists called once a
+    step, each fed the last step's argmax, padded block tables included; a row whose blocks do not hold
+    every step's position is refused before any step runs (a padded table's block 0 is another's)."""
+    from kvferry.kernels.int8 import kv_row_width
+    from kvferry.model.loader import load_model
+
+    model = load_model(tiny_deepseek_nolora_dir, torch.float32)
+    assert model.pack_weights()
+    cfg, bs = model.cfg, 16
+    kv = torch.zeros((cfg.num_layers, 2, 1, 8, bs, kv_row_width(cfg.kv_cache_dim, torch.float32)))
+    kv[:, :, :, :5] = torch.randn(kv[:, :, :, :5].shape, generator=GEN)
+    lens, tables, steps = [30, 3], [[0, 1, 2], [4]], 5  # the first crosses into its third block
+    ids, positions = [5, 77], [n - 1 for n in lens]
+    kv_burst = kv.clone()
+    burst = model.decode_burst(ids, positions, tables, [*lens], kv_burst, steps)
+    assert model.step_argmax is None and model.step_logits is None
+    expect = []
+    for _ in range(steps):
+        slots = ([t[p // bs] for t, p in zip(tables, positions, strict=True)], [p % bs for p in positions])
+        assert model.decode_lists(ids, positions, *slots, tables, lens, kv) is not None
+        ids = model.step_argmax[1]
+        expect.append(ids)
+        positions, lens = [p + 1 for p in positions], [n + 1 for n in lens]
+    assert burst == expect and torch.equal(kv_burst, kv)
+    before = kv.clone()
+    with pytest.raises(RuntimeError, match="do not hold the positions"):
+        model.decode_burst([5, 77], [29, 13], [[0, 1], [4]], [30, 14], kv, 4)  # position 32: a third block
+    assert torch.equal(kv, before)
+    model.after_layer = print
+    assert model.decode_burst([5], [2], [[4]], [3], kv, 2) is None
+
+
 def test_the_kernels_argmax_is_numpys_with_ties_nans_and_infinities():
     """logits_argmax (a list-fed step's greedy tokens) picks what the sampler's numpy argmax picks: the first
     of equal values, the first NaN before any number, -inf rows, widths that are not a multiple of 8."""

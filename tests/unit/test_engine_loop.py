@@ -95,6 +95,23 @@ def test_the_loop_reports_the_interval_its_streams_see():
     assert 29 <= loop.step_interval_ms < 200
 
 
+class BurstEngine(CountingEngine):
+    """Each step() a pass of 4 decode steps (multi-step decode)."""
+
+    def step(self, join=False):
+        out = super().step(join)
+        self.num_steps += 3
+        return out
+
+
+def test_a_pass_of_several_decode_steps_paces_and_counts_as_that_many():
+    engine = BurstEngine(running=4, steps=5)
+    loop = run_loop(engine, step_interval_ms=20)
+    gaps = [b - a for a, b in zip(engine.times, engine.times[1:], strict=False)]
+    assert min(gaps) >= 0.079  # 4 intervals after the previous pass
+    assert 19 <= loop.step_interval_ms < 60  # the time a stream sees between its tokens
+
+
 class IdleEngine:
     def has_unfinished(self) -> bool:
         return False

@@ -246,13 +246,13 @@ def test_the_runners_argmax_shortcut_samples_what_sample_does(params, outputs, a
         params = params | {"allowed_token_ids": tuple(params["allowed_token_ids"])}
     req = Request("r", [1, 2, 3], SamplingParams(**params), output_token_ids=list(outputs))
     req.banned_until_min = (0,)  # (EOS)
-    assert ModelRunner._argmax_only(req) is argmax_only
+    assert ModelRunner.argmax_only(req) is argmax_only
     if argmax_only:
         logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
         row = ModelRunner._sample_row(req)
         assert not row.controlled
         model = SimpleNamespace(step_argmax=None)
-        runner = SimpleNamespace(model=model, _argmax_only=ModelRunner._argmax_only)
+        runner = SimpleNamespace(model=model, argmax_only=ModelRunner.argmax_only)
         assert ModelRunner._sample(runner, logits, 1, [req])[req].token == sample(logits, [row])[0].token
         runner.model.step_argmax = (logits, [49])  # the argmax a list-fed step found for these logits
         assert ModelRunner._sample(runner, logits, 1, [req])[req].token == 49
