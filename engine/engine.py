@@ -505,9 +505,10 @@ class LLMEngine:
 
     def _burst(self, batch: ScheduledBatch) -> list[list[int]] | None:
         """Multi-step decode (`num_scheduler_steps`): where every running request is in `batch` as a plain
-        greedy decode (no drafts, logprobs, grammar or tokens banned), none waits to be admitted and each
-        has the blocks for them, up to that many decode steps in one call of the model (as many as every
-        request's `max_tokens` and the model length leave room for). Each step's tokens; None: step once."""
+        greedy decode (no drafts, logprobs, grammar or tokens banned, not a full prefix hit's recomputed
+        token), none waits to be admitted and the free blocks hold them all, up to that many decode steps
+        without the scheduler or the sampler between them (as many as every request's `max_tokens` and
+        the model length leave room for). Each step's tokens; None: step once."""
         steps = self.cfg.num_scheduler_steps
         if steps <= 1 or not self.runner.bursts or self.proposer is not None:
             return None
@@ -515,8 +516,12 @@ class LLMEngine:
             return None
         if len(batch.work) != len(self.scheduler.running):
             return None
+        bs = self.block_manager.block_size
         for req, n in batch.work:
             if n != 1 or req.spec_tokens or req.num_computed_tokens != req.num_tokens - 1:
+                return None
+            # a full prefix hit recomputes its last token into the sink, never into the shared block
+            if req.num_computed_tokens < req.num_committed_blocks * bs:
                 return None
             params = req.params
             if params.logprobs is not None or params.prompt_logprobs is not None or not req.output_token_ids:
@@ -526,9 +531,16 @@ class LLMEngine:
             # the tokens it may still get: max_tokens and the model length bound the burst
             room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
             steps = min(steps, room)
-        if steps <= 1 or not all(self.block_manager.allocate(req, steps) for req, _ in batch.work):
+        if steps <= 1:
             return None
-        return self.runner.run_burst([req for req, _ in batch.work], steps)
+        blocks, reqs = self.block_manager, [req for req, _ in batch.work]
+        # counted first, so that no request takes blocks for a burst that does not run
+        need = [blocks.blocks_needed(r.num_computed_tokens + steps) - len(r.block_ids) for r in reqs]
+        if sum(max(0, n) for n in need) > blocks.num_free_blocks:
+            return None
+        if not all(blocks.allocate(r, steps) for r in reqs):  # (cannot fail after the count)
+            return None
+        return self.runner.run_burst(reqs, steps)
 
     def _update_burst(self, batch: ScheduledBatch, burst: list[list[int]]) -> list[RequestOutput]:
         """`_update` for a burst's steps: each request takes its tokens in order up to the first that

@@ -210,7 +210,7 @@ class EngineLoop(threading.Thread):
                 except Exception:
                     log.exception("delivering engine outputs failed")
             elif not ran:
-                self._busy_since = None  # idle: the next step's interval starts afresh
+                self._busy_since, self._busy_steps = None, 1  # idle: the next interval starts afresh
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
 

@@ -167,7 +167,8 @@ class ModelRunner:
         """Whether `run_burst` serves: a decode step is one forward pass of this process alone (not with an
         MTP layer's rows, nor on a tensor- or expert-parallel group, whose ranks step together)."""
         model = self.model
-        return self.broadcast_step is None and model.mtp is None and model.parallel.ep.size == 1
+        parallel = model.parallel
+        return self.broadcast_step is None and model.mtp is None and parallel.tp.size == parallel.ep.size == 1
 
     def run_burst(self, reqs: Sequence[Request], steps: int) -> list[list[int]] | None:
         """`steps` greedy decode steps of `reqs` without the scheduler or the sampler in between (multi-step
