@@ -131,7 +131,7 @@ class EngineConfig:
             roles=("decode",),
         ),
     )
-    # vLLM's --num-scheduler-steps (multi-step scheduling): LLMEngine._burst_steps says when it applies
+    # vLLM's --num-scheduler-steps (multi-step scheduling): LLMEngine._burst says when it applies
     num_scheduler_steps: int = field(
         default=1,
         metadata=meta(

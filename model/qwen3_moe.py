@@ -353,7 +353,7 @@ class Qwen3MoeModel(nn.Module):
         """`steps` greedy decode steps in one call (`decode_lists`' path, `LatentStep.run_burst`): step j's
         tokens are step j - 1's argmax, each at the next position, its K/V in the slot its block table gives
         (`tables` must hold every position the call computes). Each step's tokens; None where that path does
-        not serve (then the caller steps one at a time)."""
+        not serve (`ModelRunner.run_burst` then runs a forward pass a step)."""
         if not (self.cfg.mla and self.decode_weights and tables and self.after_layer is None):
             return None
         if self.lm_head.numel() == 0:
