@@ -516,12 +516,12 @@ class LLMEngine:
             return None
         if len(batch.work) != len(self.scheduler.running):
             return None
-        bs = self.block_manager.block_size
+        blocks, reqs = self.block_manager, [req for req, _ in batch.work]
         for req, n in batch.work:
             if n != 1 or req.spec_tokens or req.num_computed_tokens != req.num_tokens - 1:
                 return None
             # a full prefix hit recomputes its last token into the sink, never into the shared block
-            if req.num_computed_tokens < req.num_committed_blocks * bs:
+            if req.num_computed_tokens < req.num_committed_blocks * blocks.block_size:
                 return None
             params = req.params
             if params.logprobs is not None or params.prompt_logprobs is not None or not req.output_token_ids:
@@ -533,7 +533,6 @@ class LLMEngine:
             steps = min(steps, room)
         if steps <= 1:
             return None
-        blocks, reqs = self.block_manager, [req for req, _ in batch.work]
         # counted first, so that no request takes blocks for a burst that does not run
         need = [blocks.blocks_needed(r.num_computed_tokens + steps) - len(r.block_ids) for r in reqs]
         if sum(max(0, n) for n in need) > blocks.num_free_blocks:

@@ -214,7 +214,7 @@ class EngineLoop(threading.Thread):
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
 
-    def _interval(self, now: float, steps: int = 1) -> None:
+    def _interval(self, now: float, steps: int) -> None:
         """The running mean of the time between the starts of consecutive forward passes with no idle
         wait between them (a decode's TPOT as its streams see it: the step, the pacing, and whatever
         else took the cores meanwhile), a pass of several decode steps (multi-step decode) counted as

@@ -356,8 +356,6 @@ class Qwen3MoeModel(nn.Module):
         not serve (`ModelRunner.run_burst` then runs a forward pass a step)."""
         if not (self.cfg.mla and self.decode_weights and tables and self.after_layer is None):
             return None
-        if self.lm_head.numel() == 0:
-            return None
         layers = self.cfg.num_layers
         kv_cache = kv_cache if kv_cache.shape[0] == layers else kv_cache[:layers]
         flat, _ = padded_tables(tables)
