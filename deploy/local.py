@@ -64,7 +64,7 @@ from kvferry.kvpool.transfer import BlockLayout
 from kvferry.model.config import ModelConfig
 from kvferry.model.create import resolve_model
 from kvferry.model.parallel import ParallelConfigError, check_ep, check_tp
-from kvferry.proc import STOP_ORDER, die_with_parent, free_port, terminate
+from kvferry.proc import STOP_ORDER, dying_with_parent, free_port, terminate
 from kvferry.settings import API_KEY_ENV, load_settings
 from kvferry.worker.config import WorkerConfig
 
@@ -152,15 +152,15 @@ class LocalCluster:
     def _popen(log: Path, argv: list[str], env: dict, mode: str) -> subprocess.Popen:
         mine = (SECRET_ENV, API_KEY_ENV, REDIS_URL_ENV, *TLS_ENVS)  # a child gets its own or none
         base = {k: v for k, v in os.environ.items() if k not in mine}
+        env = {**base, **env}
         with log.open(mode) as out:
             return subprocess.Popen(
-                argv,
+                dying_with_parent(argv, env=env),  # tied to the spawning thread: main, or the watcher
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent(),  # tied to the spawning thread: main, or the watcher
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops them in order
-                env={**base, **env},
+                env=env,
             )
 
     def _check_alive(self, children: list[Child] | None = None) -> None:

@@ -70,7 +70,7 @@ from kvferry.deploy.redis_server import TLS_FILES as REDIS_TLS_FILES
 from kvferry.deploy.redis_server import new_password, redis_url, tls_files, write_private
 from kvferry.kvpool.metadata import mask_url
 from kvferry.kvpool.rendezvous import fresh_name
-from kvferry.proc import STOP_ORDER, die_with_parent
+from kvferry.proc import STOP_ORDER, dying_with_parent
 from kvferry.settings import API_KEY_ENV
 
 if TYPE_CHECKING:
@@ -131,13 +131,13 @@ class Supervisor:
             shown = " ".join(mask_url(a) for a in argv)  # a --redis-url in the config's flags: masked
             out.write(f"--- kvferry launch {self.launches}: {shown}\n".encode())
             out.flush()
+            env = {**os.environ, **env}
             self.proc = subprocess.Popen(
-                argv,
+                dying_with_parent(argv, signal.SIGKILL, env),  # Ray kills actors with SIGKILL too
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent(signal.SIGKILL),  # Ray kills actors with SIGKILL too
-                env={**os.environ, **env},
+                env=env,
             )
         self.launches += 1
         return self.proc.pid

@@ -1,6 +1,13 @@
-"""Child processes that never outlive their parent (PR_SET_PDEATHSIG), without loading anything in
-the forked child: `prctl` is resolved here, at import, since dlopen between fork and exec can deadlock
-in a multi-threaded parent."""
+"""Child processes that never outlive their parent (PR_SET_PDEATHSIG), set by a tiny exec shim in the
+child rather than by a preexec_fn.
+
+A preexec_fn makes subprocess fork() where it would vfork(), and fork() runs gRPC's pthread_atfork
+handlers: with gRPC live in the parent (every launcher here holds channels or servers), the handler
+restarts gRPC's poller thread in the child, then subprocess closes the inherited descriptors before exec,
+the poller's epoll descriptor among them, and the poller aborts the child (`epoll_wait error: Bad file
+descriptor`, exit -6) before it ever runs its program: grpc/grpc#43055, 1 start in ~300 here with
+grpcio 1.85. Without a preexec_fn, subprocess vforks, which runs no atfork handler, and the shim sets the
+death signal after exec (it is kept across the exec into the program)."""
 
 from __future__ import annotations
 
@@ -9,37 +16,46 @@ import ctypes
 import functools
 import gc
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 # the order a cluster's processes stop in: workers drain while the router still relays their streams
 STOP_ORDER = ("prefill", "decode", "router", "pool", "redis")
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: no death signal
-    _prctl = None
+# argv: signal number, the parent's pid, the program's path, then its argv (its own argv[0] first). The
+# death signal follows the thread that spawned the child (the kernel's parent), as a preexec_fn's did; if
+# the parent died before it took effect, the child exits at once with 1. Standard library only (-I -S).
+_SHIM = (
+    "import ctypes, os, sys\n"
+    "try:\n"
+    "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, int(sys.argv[1]))\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[3], sys.argv[4:])\n"
+)
 
 
-def die_with_parent(sig: int = signal.SIGTERM):
-    """A preexec_fn: the child gets `sig` when the thread that started it ends (its parent dies).
-    If the parent died before the call took effect, the child exits at once."""
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if _prctl is not None:
-            with contextlib.suppress(OSError):
-                _prctl(_PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
+def dying_with_parent(
+    argv: list[str], sig: int = signal.SIGTERM, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """`argv` wrapped so that the child gets `sig` when the thread that starts it ends (its parent dies);
+    pass the result to subprocess.Popen with no preexec_fn. `argv[0]` is looked up on the PATH of `env`
+    (default: this process's) now, so a missing program raises FileNotFoundError here, as Popen would."""
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    program = shutil.which(argv[0], path=path) if os.sep not in argv[0] else argv[0]
+    if program is None or not os.access(program, os.X_OK):
+        raise FileNotFoundError(f"no program {argv[0]!r} on the PATH")
+    if sys.platform != "linux":  # no PR_SET_PDEATHSIG
+        return [program, *argv[1:]]
+    return [sys.executable, "-I", "-S", "-c", _SHIM, str(int(sig)), str(os.getpid()), program, *argv]
 
 
 def settle_heap(young_threshold: int = 50_000) -> None:

@@ -23,7 +23,7 @@ from kvferry.engine.engine import EngineConfig
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.rendezvous import fresh_name
 from kvferry.model.parallel import Comm, init_group
-from kvferry.proc import die_with_parent, terminate
+from kvferry.proc import dying_with_parent, terminate
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def form_group(
             cmd += ["--port", "0", "--rank", str(r), "--dist-init", name]
             # SIGKILL: a rank is of no use without rank 0 (and TP followers ignore SIGTERM)
             children.append(
-                subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL), stdin=subprocess.DEVNULL)
+                subprocess.Popen(dying_with_parent(cmd, signal.SIGKILL), stdin=subprocess.DEVNULL)
             )
     store = meta.rendezvous(name, RENDEZVOUS_S)
     device = torch.device(cfg.device if cfg.device != "auto" else "cpu")

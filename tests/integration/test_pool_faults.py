@@ -19,7 +19,7 @@ from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.client import PoolClient, PoolError, wait_for_nodes
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.kvpool.transfer import BlockLayout
-from kvferry.proc import die_with_parent
+from kvferry.proc import dying_with_parent
 from kvferry.router.client import Client
 
 pytestmark = pytest.mark.slow
@@ -34,9 +34,7 @@ def start_node(redis_url: str, namespace: str, log_path, *extra: str) -> subproc
     argv += ["--namespace", namespace, "--layout", ",".join(map(str, LAYOUT.to_list()))]
     argv += ["--num-slots", "16", "--transfer-timeout-s", str(TIMEOUT_S), *extra]
     with open(log_path, "wb") as log:  # SIGKILL with the test process: a stopped node must not outlive it
-        return subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGKILL)
-        )
+        return subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=log, stderr=subprocess.STDOUT)
 
 
 def client(redis_url: str, namespace: str, name: str, shm: bool = True) -> PoolClient:

@@ -18,7 +18,7 @@ from kvferry.engine.block_hash import block_keys
 from kvferry.kvpool.client import PoolClient, from_proto, to_proto, wait_for_nodes
 from kvferry.kvpool.metadata import DISK_SLOT, Location, MetadataStore
 from kvferry.kvpool.transfer import BlockLayout
-from kvferry.proc import die_with_parent
+from kvferry.proc import dying_with_parent
 from kvferry.router.client import Client
 from kvferry.v1 import pool_pb2
 
@@ -80,9 +80,7 @@ def start_node(redis_url: str, namespace: str, node_id: str, log_path, *extra: s
     argv += ["--namespace", namespace, "--layout", ",".join(map(str, LAYOUT.to_list()))]
     argv += ["--num-slots", "32", "--transfer-timeout-s", str(TIMEOUT_S), *extra]
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGKILL)
-        )
+        return subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=log, stderr=subprocess.STDOUT)
 
 
 def client(redis_url: str, namespace: str, name: str, shm: bool, replicas: int = 1) -> PoolClient:
