@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import gc
 import os
@@ -30,15 +31,19 @@ STOP_ORDER = ("prefill", "decode", "router", "pool", "redis")
 
 # argv: signal number, the parent's pid, the program's path, then its argv (its own argv[0] first). The
 # death signal follows the thread that spawned the child (the kernel's parent), as a preexec_fn's did; if
-# the parent died before it took effect, the child exits at once with 1. Standard library only (-I -S).
+# the parent died before it took effect, the child exits at once with 1. SIGPIPE and SIGXFSZ go back to
+# their defaults before the exec, which Popen's restore_signals did for the program and Python's start-up
+# undid in the shim. Standard library only (-I -S).
 _SHIM = (
-    "import ctypes, os, sys\n"
+    "import ctypes, os, signal, sys\n"
     "try:\n"
-    "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, int(sys.argv[1]))\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]))\n"
     "except (OSError, AttributeError):\n"
     "    pass\n"
     "if os.getppid() != int(sys.argv[2]):\n"
     "    os._exit(1)\n"
+    "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
     "os.execv(sys.argv[3], sys.argv[4:])\n"
 )
 
@@ -50,11 +55,11 @@ def dying_with_parent(
     pass the result to subprocess.Popen with no preexec_fn. `argv[0]` is looked up on the PATH of `env`
     (default: this process's) now, so a missing program raises FileNotFoundError here, as Popen would."""
     path = (os.environ if env is None else env).get("PATH", os.defpath)
-    program = shutil.which(argv[0], path=path) if os.sep not in argv[0] else argv[0]
-    if program is None or not os.access(program, os.X_OK):
-        raise FileNotFoundError(f"no program {argv[0]!r} on the PATH")
+    program = shutil.which(argv[0], path=path)  # a name with a slash: that file, if it is executable
+    if program is None:
+        raise FileNotFoundError(errno.ENOENT, f"no executable {argv[0]!r} (PATH {path})", argv[0])
     if sys.platform != "linux":  # no PR_SET_PDEATHSIG
-        return [program, *argv[1:]]
+        return list(argv)
     return [sys.executable, "-I", "-S", "-c", _SHIM, str(int(sig)), str(os.getpid()), program, *argv]
 
 
