@@ -60,6 +60,15 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
         time.sleep(0.05)
 
 
+def process_alive(pid: int) -> bool:
+    """The process runs: not gone, and not a zombie (dead, its parent not yet reaping it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 # -- the reference -----------------------------------------------------------------------------------
 def fixed_prompts(vocab_size: int = 8192) -> list[list[int]]:
     gen = torch.Generator().manual_seed(20240611)

@@ -18,6 +18,7 @@ from cluster_helpers import wait_for
 
 from kvferry import rpc
 from kvferry.auth import SECRET_ENV
+from kvferry.deploy.fault_harness import process_alive
 from kvferry.kvpool.metadata import MetadataStore
 from kvferry.router.client import Client, build_request
 from kvferry.v1 import worker_pb2, worker_pb2_grpc
@@ -39,14 +40,6 @@ def descendants(pid: int) -> set[int]:
         frontier = {p for p, parent in parents.items() if parent in frontier} - out
         out |= frontier
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def scale(redis_url_file: Path, *counts: str) -> dict:
@@ -147,7 +140,7 @@ def test_up_serves_scales_then_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path
         if proc.poll() is None:  # a failed assertion above: take the cluster down anyway
             proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
             proc.wait()
-    wait_for(lambda: not [pid for pid in children if alive(pid)], 10, "no processes left behind")
+    wait_for(lambda: not [pid for pid in children if process_alive(pid)], 10, "no processes left behind")
     assert os.listdir(tmp_path / "logs")  # each component logged
     assert (
         not (tmp_path / "logs" / "redis-url").exists() and not (tmp_path / "logs" / "cluster-secret").exists()

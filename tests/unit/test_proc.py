@@ -9,23 +9,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from concurrent import futures
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvferry.deploy.fault_harness import process_alive, wait_for
 from kvferry.proc import dying_with_parent
-
-
-def _gone(pid: int) -> bool:
-    """The process is reaped, or a zombie (dead, its new parent not yet reaping it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_the_child_gets_the_signal_when_its_parent_ends(tmp_path):
@@ -50,10 +41,7 @@ def test_the_child_gets_the_signal_when_its_parent_ends(tmp_path):
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout)
     assert ready.exists()
-    deadline = time.monotonic() + 20
-    while not _gone(pid):
-        assert time.monotonic() < deadline, f"child {pid} outlived its parent"
-        time.sleep(0.05)
+    wait_for(lambda: not process_alive(pid), 20, f"child {pid} to die with its parent")
 
 
 def test_the_child_runs_its_program_with_its_own_argv():
